@@ -1,0 +1,16 @@
+"""cuflash: FlashAttention-family kernels in CUDA C, compiled at run time by NVRTC through CuPy.
+
+Public API (flash-attn compatible names)::
+
+    out = cuflash.flash_attn_func(q, k, v, causal=True)
+    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True)
+    dq, dk, dv = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+
+Arrays are (batch, seqlen, heads, headdim), fp16 or bf16, CuPy arrays or anything with ``__dlpack__``
+(torch, JAX); results come back in the caller's framework.
+"""
+__version__ = "0.1.0"
+
+from .api import IMPLS, available_impls, flash_attn_backward, flash_attn_func  # noqa: E402,F401
+
+__all__ = ["flash_attn_func", "flash_attn_backward", "available_impls", "IMPLS", "__version__"]

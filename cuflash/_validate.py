@@ -1,0 +1,149 @@
+"""Argument checks, run before any kernel: every refusal names the argument and what was expected.
+
+They work on ``Spec`` records (shape, strides, dtype, device, pointer), so the CPU test tier can
+exercise every message without device memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+from ._interop import Spec
+
+FLOAT16_DTYPES = ("bfloat16", "float16")
+_ALIGN_BYTES = 16  # kernels move 16-byte vectors: row starts must be 16-byte aligned
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    kv_heads: int
+    headdim: int
+    dtype: str
+
+
+def _shape_str(spec: Spec) -> str:
+    return "(" + ", ".join(str(s) for s in spec.shape) + ")"
+
+
+def check_layout(spec: Spec) -> None:
+    """Rank 4 (batch, seqlen, heads, headdim), fp16/bf16, last dim contiguous, 16-byte aligned rows."""
+    if len(spec.shape) != 4:
+        raise ValueError(
+            f"{spec.name} must have 4 dimensions (batch, seqlen, heads, headdim); got shape {_shape_str(spec)}"
+        )
+    if spec.dtype not in FLOAT16_DTYPES:
+        raise TypeError(f"{spec.name} must be float16 or bfloat16; got {spec.dtype}")
+    if spec.shape[3] > 1 and spec.strides[3] != 1:
+        raise ValueError(
+            f"{spec.name}'s last dimension (headdim) must be contiguous (stride 1); got strides "
+            f"{spec.strides} in elements. Make it contiguous first (cupy.ascontiguousarray / .contiguous())."
+        )
+    item = 2
+    for axis, what in ((0, "batch"), (1, "seqlen"), (2, "heads")):
+        if spec.shape[axis] > 1 and (spec.strides[axis] * item) % _ALIGN_BYTES:
+            raise ValueError(
+                f"{spec.name}'s {what} stride must be a multiple of 16 bytes (8 elements); got "
+                f"{spec.strides[axis]} elements (strides {spec.strides}). Make it contiguous first."
+            )
+    if spec.ptr % _ALIGN_BYTES:
+        raise ValueError(
+            f"{spec.name}'s data must start at a 16-byte aligned address; got {spec.ptr:#x} "
+            f"(a slice that starts mid-row?). Make a contiguous copy first."
+        )
+
+
+def check_same_device(specs: list[Spec]) -> None:
+    first = specs[0]
+    for s in specs[1:]:
+        if s.device != first.device:
+            raise ValueError(f"{s.name} is on CUDA device {s.device} but {first.name} is on device {first.device}")
+
+
+def check_qkv(q: Spec, k: Spec, v: Spec) -> Dims:
+    for s in (q, k, v):
+        check_layout(s)
+    check_same_device([q, k, v])
+    for s in (k, v):
+        if s.dtype != q.dtype:
+            raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
+    b, sq, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
+    bk, sk, hk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"k must have q's batch size {b}; got {bk} (q {_shape_str(q)}, k {_shape_str(k)})")
+    if dk != d:
+        raise ValueError(f"k and v must have q's head dim {d}; got {dk}")
+    if hk < 1 or h % hk:
+        raise ValueError(
+            f"the number of query heads ({h}) must be a multiple of the number of KV heads in k/v ({hk})"
+        )
+    if b < 1 or h < 1:
+        raise ValueError(f"q must have at least one batch entry and one head; got shape {_shape_str(q)}")
+    if sq < 1:
+        raise ValueError(f"seqlen_q must be at least 1; got q of shape {_shape_str(q)} (empty sequences)")
+    if sk < 1:
+        raise ValueError(f"seqlen_k must be at least 1; got k of shape {_shape_str(k)} (empty sequences)")
+    return Dims(b, sq, sk, h, hk, d, q.dtype)
+
+
+def check_like(spec: Spec, ref: Spec) -> None:
+    """``spec`` (dout, out) must match ``ref`` (q) in shape, dtype and device."""
+    check_layout(spec)
+    if spec.shape != ref.shape:
+        raise ValueError(f"{spec.name} must have the shape of {ref.name} {_shape_str(ref)}; got {_shape_str(spec)}")
+    if spec.dtype != ref.dtype:
+        raise TypeError(f"{spec.name} must have the dtype of {ref.name} ({ref.dtype}); got {spec.dtype}")
+    check_same_device([ref, spec])
+
+
+def check_lse(spec: Spec, dims: Dims, q: Spec) -> None:
+    want = (dims.batch, dims.heads, dims.seqlen_q)
+    if spec.shape != want:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {want}; got {_shape_str(spec)}")
+    if spec.dtype != "float32":
+        raise TypeError(f"lse must be float32; got {spec.dtype}")
+    if spec.strides != (dims.heads * dims.seqlen_q, dims.seqlen_q, 1):
+        raise ValueError(f"lse must be contiguous; got strides {spec.strides} in elements")
+    check_same_device([q, spec])
+
+
+def check_headdim(headdim: int, supported, impl: str) -> None:
+    if headdim not in supported:
+        raise ValueError(f"head dim {headdim} is not supported by impl={impl!r}; supported: {sorted(supported)}")
+
+
+def softmax_scale_or_default(softmax_scale, headdim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(headdim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None; got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive number; got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def window_bounds(window_size, causal: bool, dims: Dims) -> tuple[int, int]:
+    """(left, right) for the kernels, -1 ("unbounded") replaced by a number past every key."""
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded; got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got {tuple(window_size)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    unbounded = dims.seqlen_q + dims.seqlen_k
+    left = unbounded if left < 0 else min(left, unbounded)
+    right = unbounded if right < 0 else min(right, unbounded)
+    if causal:
+        right = 0
+    return left, right

@@ -1,0 +1,120 @@
+"""Public functions: exact attention forward and backward on CuPy / DLPack arrays.
+
+Names and semantics follow flash-attn, so switching is a change of import.
+"""
+from __future__ import annotations
+
+from . import _validate, fa1
+from ._interop import Call
+from .heuristics import choose_impl
+
+IMPLS = ("fa1",)
+_FAMILIES = {"fa1": fa1}
+
+_MASK_DOC = """
+    Layout: q is (batch, seqlen_q, heads, headdim); k and v are (batch, seqlen_k, kv_heads, headdim)
+    with heads a multiple of kv_heads (GQA/MQA: query head h reads KV head h // (heads // kv_heads)).
+    fp16 or bf16; the last dimension contiguous; other strides free (multiples of 8 elements).
+
+    ``causal=True`` is aligned to the bottom-right corner: query i sees key j iff
+    j <= i + seqlen_k - seqlen_q. With seqlen_q = 2, seqlen_k = 5 (x = visible)::
+
+        x x x x .
+        x x x x x
+
+    and with seqlen_q = 5, seqlen_k = 2 the first three rows see nothing (their output is 0 and their
+    log-sum-exp -inf)::
+
+        . .
+        . .
+        . .
+        x .
+        x x
+
+    ``window_size=(left, right)`` keeps keys i + seqlen_k - seqlen_q - left <= j <= ... + right
+    (-1 = unbounded); ``causal=True`` sets right = 0.
+"""
+
+
+def available_impls() -> list[str]:
+    """The cuflash implementations that run on the current GPU (empty without one)."""
+    from ._device import compute_capability, has_gpu
+
+    if not has_gpu():
+        return []
+    return ["fa1"] if compute_capability() >= (8, 0) else []
+
+
+def _pick_impl(impl: str, headdim: int, device: int):
+    from ._device import compute_capability
+
+    if impl not in IMPLS + ("auto",):
+        raise ValueError(f"impl must be one of {IMPLS + ('auto',)}; got {impl!r}")
+    cc = compute_capability(device)
+    if impl == "auto":
+        impl = choose_impl(headdim, cc)
+    family = _FAMILIES[impl]
+    _validate.check_headdim(headdim, family.HEADDIMS, impl)
+    if cc < (8, 0):
+        raise ValueError(f"impl={impl!r} needs a GPU of compute capability 8.0 or newer; this one is sm_{cc[0]}{cc[1]}")
+    return family
+
+
+def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False,
+                    impl="auto"):
+    """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
+
+    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
+    log-sum-exp of the scaled scores of each row, shape (batch, heads, seqlen_q), -inf for rows that
+    see no key. The result is in the caller's framework and computed on its current stream.
+    ``softmax_scale`` defaults to 1/sqrt(headdim). ``impl``: "fa1" or "auto" (the best available).
+    """
+    import cupy
+
+    with Call([("q", q), ("k", k), ("v", v)]) as call:
+        qs, ks, vs = call.specs
+        dims = _validate.check_qkv(qs, ks, vs)
+        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+        window = _validate.window_bounds(window_size, causal, dims)
+        family = _pick_impl(impl, dims.headdim, call.device.id)
+
+        qa, ka, va = call.arrays
+        out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
+        lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
+        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream)
+        return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
+
+
+def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                        impl="auto"):
+    """Gradients (dq, dk, dv) of ``flash_attn_func`` given the output gradient ``dout``.
+
+    ``out`` and ``lse`` are what the forward returned (``return_lse=True``); P is recomputed from
+    q, k and lse, so nothing of size seqlen_q × seqlen_k is stored. dk and dv have k's shape: for
+    GQA/MQA they are summed over the query heads that share a KV head. ``causal``, ``softmax_scale``
+    and ``window_size`` must be the forward's.
+    """
+    import cupy
+
+    with Call([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse)]) as call:
+        qs, ks, vs, os_, dos, lses = call.specs
+        dims = _validate.check_qkv(qs, ks, vs)
+        _validate.check_like(os_, qs)
+        _validate.check_like(dos, qs)
+        _validate.check_lse(lses, dims, qs)
+        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+        window = _validate.window_bounds(window_size, causal, dims)
+        family = _pick_impl(impl, dims.headdim, call.device.id)
+
+        qa, ka, va, oa, doa, lsea = call.arrays
+        dq = cupy.empty_like(qa)
+        dk = cupy.empty((dims.batch, dims.seqlen_k, dims.kv_heads, dims.headdim), dtype=qa.dtype)
+        dv = cupy.empty_like(dk)
+        dq_accum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q, dims.headdim), dtype=cupy.float32)
+        dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
+        family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream)
+        return call.wrap(dq), call.wrap(dk), call.wrap(dv)
+
+
+flash_attn_func.__doc__ += _MASK_DOC
+flash_attn_backward.__doc__ += _MASK_DOC

@@ -1,0 +1,142 @@
+"""FA1 family: variant keys, parameter structs and launches of kernels_cu/fa1/.
+
+The kernels run on sm_80 and newer (mma.sync on the tensor cores, synchronous tile loads).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import Variant, get_function
+from ._validate import Dims
+from .heuristics import FA1_TILES
+
+FAMILY = "fa1"
+HEADDIMS = tuple(sorted(FA1_TILES))
+DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # CUFLASH_DTYPE in kernels_cu/common/types.cuh
+
+
+def _strides(*prefixes: str) -> list[tuple[str, type]]:
+    return [(f"{p}_{s}_stride", np.int64) for p in prefixes for s in ("batch", "row", "head")]
+
+
+_DIMS = [(n, np.int32) for n in ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "window_left", "window_right")]
+
+# Mirrors of Fa1FwdParams / Fa1BwdParams in kernels_cu/fa1/params.cuh (same order, C alignment).
+FWD_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse")] + _strides("q", "k", "v", "o") + _DIMS + [("scale", np.float32)],
+    align=True,
+)
+BWD_PARAMS = np.dtype(
+    [(n, np.uint64) for n in ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "lse", "dsum")]
+    + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    + _DIMS
+    + [("scale", np.float32)],
+    align=True,
+)
+
+_AUX_THREADS = 128  # 4 warps, one row each
+
+
+def _smem_tile_bytes(rows: int, cols: int) -> int:
+    return rows * (cols + 8) * 2  # SmemTile pads each row by 8 elements
+
+
+def fwd_variant(headdim: int, dtype: str) -> Variant:
+    t = FA1_TILES[headdim]
+    smem = _smem_tile_bytes(t.block_m, headdim) + 2 * _smem_tile_bytes(t.block_n, headdim)
+    return Variant(
+        FAMILY,
+        "fa1/fwd.cu",
+        "fa1_fwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+        threads=t.block_m // 16 * 32,
+        smem_bytes=smem,
+    )
+
+
+def bwd_variant(headdim: int, dtype: str) -> Variant:
+    t = FA1_TILES[headdim]
+    block = 16 * t.bwd_key_warps
+    smem = 4 * _smem_tile_bytes(block, headdim) + _smem_tile_bytes(block, block) + 2 * 4 * block
+    return Variant(
+        FAMILY,
+        "fa1/bwd.cu",
+        "fa1_bwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_KEY_WARPS", t.bwd_key_warps), ("CUFLASH_D_SPLIT", t.bwd_d_split),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+        threads=t.bwd_key_warps * t.bwd_d_split * 32,
+        smem_bytes=smem,
+    )
+
+
+def aux_variant(kernel: str, headdim: int, dtype: str) -> Variant:
+    return Variant(
+        FAMILY,
+        "fa1/bwd_aux.cu",
+        kernel,
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+        threads=_AUX_THREADS,
+    )
+
+
+def all_variants() -> list[Variant]:
+    """Every FA1 variant cuflash can launch (the compile report builds each of them)."""
+    out = []
+    for dtype in DTYPE_CODES:
+        for d in HEADDIMS:
+            out += [fwd_variant(d, dtype), bwd_variant(d, dtype)]
+            out += [aux_variant(k, d, dtype) for k in ("fa1_bwd_preprocess", "fa1_bwd_convert_dq")]
+    return out
+
+
+def _fill_strides(params, prefix: str, a) -> None:
+    item = a.dtype.itemsize
+    for axis, s in zip((0, 1, 2), ("batch", "row", "head")):
+        params[f"{prefix}_{s}_stride"] = a.strides[axis] // item
+
+
+def _fill_dims(params, dims: Dims, window: tuple[int, int], scale: float) -> None:
+    params["batch"], params["heads"], params["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
+    params["seqlen_q"], params["seqlen_k"] = dims.seqlen_q, dims.seqlen_k
+    params["window_left"], params["window_right"] = window
+    params["scale"] = scale
+
+
+def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream) -> None:
+    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q)."""
+    variant = fwd_variant(dims.headdim, dims.dtype)
+    p = np.zeros(1, FWD_PARAMS)
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
+        p[name] = a.data.ptr
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
+        _fill_strides(p, name, a)
+    _fill_dims(p, dims, window, scale)
+    block_m = FA1_TILES[dims.headdim].block_m
+    grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
+    get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
+    """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch."""
+    p = np.zeros(1, BWD_PARAMS)
+    arrays = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq_accum": dq_accum, "dq": dq, "dk": dk, "dv": dv,
+              "lse": lse, "dsum": dsum}
+    for name, a in arrays.items():
+        p[name] = a.data.ptr
+    for prefix, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+        _fill_strides(p, prefix, a)
+    _fill_dims(p, dims, window, scale)
+
+    rows = dims.batch * dims.heads * dims.seqlen_q
+    aux_grid = ((rows + _AUX_THREADS // 32 - 1) // (_AUX_THREADS // 32),)
+    pre = aux_variant("fa1_bwd_preprocess", dims.headdim, dims.dtype)
+    get_function(pre)(aux_grid, (pre.threads,), (p,), stream=stream)
+
+    main = bwd_variant(dims.headdim, dims.dtype)
+    block_n = 16 * FA1_TILES[dims.headdim].bwd_key_warps
+    grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
+    get_function(main)(grid, (main.threads,), (p,), shared_mem=main.smem_bytes, stream=stream)
+
+    conv = aux_variant("fa1_bwd_convert_dq", dims.headdim, dims.dtype)
+    get_function(conv)(aux_grid, (conv.threads,), (p,), stream=stream)

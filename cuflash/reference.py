@@ -1,0 +1,691 @@
+"""Attention references (exact and naive low precision) and a NumPy model of the tiled FlashAttention-1 algorithm.
+
+Everything here is plain array code: it runs on NumPy arrays and on CuPy arrays (the array module is
+picked from the inputs), except the two ``fa1_tiled_*_model`` functions, which are NumPy-only float64
+models of what the FA1 CUDA kernel does block by block.
+
+Layout
+------
+``q``: (batch, seqlen_q, heads, headdim); ``k``, ``v``: (batch, seqlen_k, kv_heads, headdim) with
+``heads % kv_heads == 0``. GQA/MQA: query head ``h`` uses KV head ``h // (heads // kv_heads)``.
+``lse`` (log-sum-exp of the scaled scores of each row): (batch, heads, seqlen_q).
+``softmax_scale`` defaults to ``1 / sqrt(headdim)``.
+
+Masks (i = query row, j = key column, both 0-based; Sq = seqlen_q, Sk = seqlen_k)
+------------------------------------------------------------------------------
+The diagonal is aligned to the *bottom-right* corner: row i's "own" key is ``j = i + (Sk - Sq)``.
+
+* ``causal=True``: key j is visible iff ``j <= i + (Sk - Sq)``.
+* ``window_size=(left, right)`` (inclusive, -1 = unbounded on that side): key j is visible iff
+  ``i + (Sk - Sq) - left <= j <= i + (Sk - Sq) + right``.
+  ``causal=True`` is the same as ``right = 0`` (with whatever ``left`` is given).
+* A row that sees no key at all (possible when Sq > Sk with causal, or with a window) gives
+  ``out = 0`` and ``lse = -inf`` -- never NaN. Its gradients are 0.
+
+Causal, Sq = 3 < Sk = 5 (offset Sk - Sq = 2)::
+
+         j: 0 1 2 3 4
+    i = 0:  x x x . .
+    i = 1:  x x x x .
+    i = 2:  x x x x x
+
+Causal, Sq = 5 > Sk = 3 (offset -2: the two top rows see nothing -> out 0, lse -inf)::
+
+         j: 0 1 2
+    i = 0:  . . .
+    i = 1:  . . .
+    i = 2:  x . .
+    i = 3:  x x .
+    i = 4:  x x x
+
+Window (left=1, right=1), Sq = Sk = 5::
+
+         j: 0 1 2 3 4
+    i = 0:  x x . . .
+    i = 1:  x x x . .
+    i = 2:  . x x x .
+    i = 3:  . . x x x
+    i = 4:  . . . x x
+
+Tolerance rule (FlashAttention's): ``max|out - ref| <= 2 * max|out_lowp - ref| + atol`` where ``ref`` is
+the exact fp32/fp64 result (``attention_ref``) and ``out_lowp`` the same math done naively in the input's
+bf16/fp16 (``attention_ref_lowp``): a kernel may be at most twice as wrong as a plain low-precision
+implementation. ``check_close`` applies it, and also catches NaN/inf (poisoned, unwritten outputs) and
+checks that ``-inf`` LSE entries match exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy
+
+__all__ = [
+    "mask_matrix",
+    "attention_ref",
+    "attention_ref_lowp",
+    "attention_ref_backward",
+    "attention_ref_backward_lowp",
+    "check_close",
+    "attention_naive",
+    "attention_naive_backward",
+    "kv_block_range",
+    "fa1_tiled_forward_model",
+    "fa1_tiled_backward_model",
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------------
+
+def _get_xp(*arrays):
+    """The array module of the inputs: cupy for CuPy arrays, numpy otherwise (or when CuPy is absent)."""
+    try:
+        import cupy
+    except Exception:  # no CuPy, or a broken install: everything is NumPy
+        return numpy
+    return cupy.get_array_module(*[a for a in arrays if a is not None])
+
+
+def _is_cupy(xp) -> bool:
+    return xp is not numpy and getattr(xp, "__name__", "") == "cupy"
+
+
+def _as_dtype(dtype):
+    """numpy dtype from a dtype, type or name; "bfloat16" needs ml_dtypes (imported on demand)."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+
+        return numpy.dtype(ml_dtypes.bfloat16)
+    try:
+        return numpy.dtype(dtype)
+    except TypeError:
+        import ml_dtypes  # noqa: F401  (registers "bfloat16" and friends with numpy)
+
+        return numpy.dtype(dtype)
+
+
+def _round_to(x, dtype):
+    """Round float values to ``dtype`` (bf16/fp16/fp32) and hand them back as float32."""
+    return x.astype(_as_dtype(dtype)).astype(numpy.float32)
+
+
+def _to_numpy(x):
+    """Host numpy copy of a numpy or cupy array (no dtype change)."""
+    if x is None or isinstance(x, numpy.ndarray):
+        return x
+    get = getattr(x, "get", None)
+    if get is not None:
+        return get()
+    return numpy.asarray(x)
+
+
+def _full_like_scalar(xp, value, dtype):
+    return xp.asarray(value, dtype=dtype)
+
+
+def _check_shapes(q, k, v):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be 4-D (batch, seqlen, heads, headdim); got {q.shape}, {k.shape}, {v.shape}")
+    b, _, h, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if k.shape[:3] != v.shape[:3] or bk != b or dk != d:
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"heads ({h}) must be a multiple of kv_heads ({hkv})")
+    return b, q.shape[1], sk, h, hkv, d, v.shape[3]
+
+
+def _scale(softmax_scale, d):
+    return 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+
+
+def _effective_window(causal, window_size):
+    """(left, right) with -1 meaning unbounded; causal forces right = 0."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    left = -1 if left < 0 else left
+    right = -1 if right < 0 else right
+    return left, right
+
+
+def _visible(i, j, seqlen_q, seqlen_k, causal, window_size):
+    """Broadcasting visibility test of query rows ``i`` against key columns ``j`` (integer arrays)."""
+    left, right = _effective_window(causal, window_size)
+    diag = i + (seqlen_k - seqlen_q)  # the bottom-right aligned diagonal
+    vis = (i >= 0) & (j >= 0)  # all True, with the broadcast shape and the right module
+    if right >= 0:
+        vis = vis & (j <= diag + right)
+    if left >= 0:
+        vis = vis & (j >= diag - left)
+    return vis
+
+
+def _has_mask(causal, window_size):
+    left, right = _effective_window(causal, window_size)
+    return left >= 0 or right >= 0
+
+
+def _split_heads(x, kv_heads):
+    """(B, S, H, D) -> (B, Hkv, g*S, D): the g query heads of one KV head stacked along rows.
+
+    Stacking the group along the row axis lets one matmul against K (B, Hkv, D, Sk) serve every query
+    head of the group without repeating K/V, and makes ``P^T @ dO`` sum dK/dV over the group for free.
+    """
+    b, s, h, d = x.shape
+    g = h // kv_heads
+    return x.reshape(b, s, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * s, d)
+
+
+def _merge_heads(x, seqlen):
+    """Inverse of ``_split_heads``: (B, Hkv, g*S, D) -> (B, S, H, D)."""
+    b, hkv, gs, d = x.shape
+    g = gs // seqlen
+    return x.reshape(b, hkv, g, seqlen, d).transpose(0, 3, 1, 2, 4).reshape(b, seqlen, hkv * g, d)
+
+
+def _lse_layout(lse_rows, seqlen):
+    """(B, Hkv, g*S) -> (B, H, S)."""
+    b, hkv, gs = lse_rows.shape
+    return lse_rows.reshape(b, hkv * (gs // seqlen), seqlen)
+
+
+def _bhs_to_rows(x, kv_heads):
+    """(B, H, S) -> (B, Hkv, g*S): LSE / D in the stacked-row order of ``_split_heads``."""
+    b, h, s = x.shape
+    return x.reshape(b, kv_heads, (h // kv_heads) * s)
+
+
+def _apply_mask(s, mask, g, xp):
+    """Set invisible scores to -inf. ``s`` is (B, Hkv, g*Sq, Sk); ``mask`` (Sq, Sk) or None."""
+    if mask is None:
+        return s
+    b, hkv, gs, sk = s.shape
+    s5 = s.reshape(b, hkv, g, gs // g, sk)
+    s5 = xp.where(mask, s5, _full_like_scalar(xp, -numpy.inf, s.dtype))
+    return s5.reshape(b, hkv, gs, sk)
+
+
+def _softmax_rows(s, xp):
+    """Row softmax of masked scores; rows that are all -inf give p = 0 and lse = -inf (no NaN)."""
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = xp.where(xp.isfinite(m), m, _full_like_scalar(xp, 0, s.dtype))
+    p = xp.exp(s - m_safe)
+    l = p.sum(axis=-1, keepdims=True)
+    nonempty = l > 0
+    l_safe = xp.where(nonempty, l, _full_like_scalar(xp, 1, s.dtype))
+    p = p / l_safe
+    lse = xp.where(nonempty, m_safe + xp.log(l_safe), _full_like_scalar(xp, -numpy.inf, s.dtype))
+    return p, lse[..., 0]
+
+
+def mask_matrix(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), xp=numpy):
+    """Bool (seqlen_q, seqlen_k) matrix, True where query row i may see key j (see module docstring)."""
+    i = xp.arange(seqlen_q)[:, None]
+    j = xp.arange(seqlen_k)[None, :]
+    return xp.broadcast_to(_visible(i, j, seqlen_q, seqlen_k, causal, window_size), (seqlen_q, seqlen_k)).copy()
+
+
+def _mask_or_none(seqlen_q, seqlen_k, causal, window_size, xp):
+    if not _has_mask(causal, window_size):
+        return None
+    return mask_matrix(seqlen_q, seqlen_k, causal=causal, window_size=window_size, xp=xp)
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact references
+# ----------------------------------------------------------------------------------------------------
+
+def _forward_probs(q, k, *, causal, softmax_scale, window_size, dtype, round_dtype=None):
+    """Scores -> probabilities in ``dtype``; with ``round_dtype`` S is rounded as a low-precision run would.
+
+    Returns P (B, Hkv, g*Sq, Sk), lse rows (B, Hkv, g*Sq), the mask and the scale.
+    """
+    xp = _get_xp(q, k)
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, k)
+    g = h // hkv
+    scale = _scale(softmax_scale, d)
+    qs = _split_heads(q.astype(dtype), hkv)
+    kt = k.astype(dtype).transpose(0, 2, 3, 1)  # (B, Hkv, D, Sk)
+    s = xp.matmul(qs, kt)
+    if round_dtype is not None:
+        # bf16/fp16 GEMM: fp32 accumulation, result stored in the low dtype; then the scaling multiply
+        # also happens in the low dtype (what `q @ k.T * scale` does in PyTorch on bf16 tensors).
+        s = _round_to(s, round_dtype)
+        s = _round_to(s * numpy.float32(scale), round_dtype)
+    else:
+        s = s * dtype.type(scale)
+    mask = _mask_or_none(sq, sk, causal, window_size, xp)
+    s = _apply_mask(s, mask, g, xp)
+    p, lse = _softmax_rows(s, xp)
+    return p, lse, mask, scale
+
+
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), compute_dtype="float32"):
+    """Exact attention in ``compute_dtype`` ("float32" or "float64").
+
+    Returns ``out`` (B, Sq, H, D) and ``lse`` (B, H, Sq), both in ``compute_dtype``.
+    """
+    xp = _get_xp(q, k, v)
+    dtype = _as_dtype(compute_dtype)
+    b, sq, sk, h, hkv, d, dv = _check_shapes(q, k, v)
+    p, lse, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                  window_size=window_size, dtype=dtype)
+    o = xp.matmul(p, v.astype(dtype).transpose(0, 2, 1, 3))  # (B, Hkv, g*Sq, Dv)
+    return _merge_heads(o, sq), _lse_layout(lse, sq)
+
+
+def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """The same attention done naively in the input's precision (as plain bf16/fp16 PyTorch code would).
+
+    S = q @ k^T (fp32 accumulation) rounded to the input dtype, scaled (and rounded again), softmax in
+    fp32, P rounded to the input dtype, out = P @ v (fp32 accumulation) rounded to the input dtype.
+    Returns ``out`` as float32 holding low-precision values, and ``lse`` float32.
+    """
+    xp = _get_xp(q, k, v)
+    low = q.dtype
+    f32 = numpy.dtype(numpy.float32)
+    _, sq, *_ = _check_shapes(q, k, v)
+    p, lse, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                  window_size=window_size, dtype=f32, round_dtype=low)
+    p = _round_to(p, low)
+    o = _round_to(xp.matmul(p, v.astype(f32).transpose(0, 2, 1, 3)), low)
+    return _merge_heads(o, sq), _lse_layout(lse, sq)
+
+
+def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                           compute_dtype="float32"):
+    """Exact gradients (dq, dk, dv) of ``attention_ref``'s out for the upstream gradient ``dout``.
+
+    Shapes like q, k, v, dtype ``compute_dtype``; for GQA dk/dv are summed over each group's query heads.
+    """
+    xp = _get_xp(dout, q, k, v)
+    dtype = _as_dtype(compute_dtype)
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
+    p, _, _, scale = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                    window_size=window_size, dtype=dtype)
+    do = _split_heads(dout.astype(dtype), hkv)          # (B, Hkv, g*Sq, Dv)
+    qs = _split_heads(q.astype(dtype), hkv)             # (B, Hkv, g*Sq, D)
+    kk = k.astype(dtype).transpose(0, 2, 1, 3)          # (B, Hkv, Sk, D)
+    vv = v.astype(dtype).transpose(0, 2, 1, 3)          # (B, Hkv, Sk, Dv)
+    pt = p.transpose(0, 1, 3, 2)
+    dv = xp.matmul(pt, do)                              # sums over the group's stacked rows
+    dp = xp.matmul(do, vv.transpose(0, 1, 3, 2))
+    delta = (p * dp).sum(axis=-1, keepdims=True)        # = rowsum(dO * O)
+    ds = p * (dp - delta)                               # masked / empty rows: p = 0 -> ds = 0
+    dq = xp.matmul(ds, kk) * dtype.type(scale)
+    dk = xp.matmul(ds.transpose(0, 1, 3, 2), qs) * dtype.type(scale)
+    return _merge_heads(dq, sq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """Naive low-precision gradients (float32 arrays holding values rounded to the input dtype).
+
+    Forward as ``attention_ref_lowp``; then dP = dO @ V^T rounded, dV = P^T @ dO rounded,
+    dS = P * (dP - rowsum(P * dP)) in fp32 rounded, scaled and rounded, dQ = dS @ K and dK = dS^T @ Q
+    (fp32 accumulation, rounded). GQA sums dK/dV over the group in fp32 before the final rounding.
+    """
+    xp = _get_xp(dout, q, k, v)
+    low = q.dtype
+    f32 = numpy.dtype(numpy.float32)
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
+    p32, _, _, scale = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, dtype=f32, round_dtype=low)
+    p = _round_to(p32, low)
+    do = _round_to(_split_heads(dout.astype(f32), hkv), low)
+    qs = _split_heads(q.astype(f32), hkv)
+    kk = k.astype(f32).transpose(0, 2, 1, 3)
+    vv = v.astype(f32).transpose(0, 2, 1, 3)
+    dv = _round_to(xp.matmul(p.transpose(0, 1, 3, 2), do), low)
+    dp = _round_to(xp.matmul(do, vv.transpose(0, 1, 3, 2)), low)
+    delta = (p * dp).sum(axis=-1, keepdims=True)
+    ds = _round_to(p * (dp - delta), low)
+    ds = _round_to(ds * numpy.float32(scale), low)
+    dq = _round_to(xp.matmul(ds, kk), low)
+    dk = _round_to(xp.matmul(ds.transpose(0, 1, 3, 2), qs), low)
+    return _merge_heads(dq, sq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tolerance rule
+# ----------------------------------------------------------------------------------------------------
+
+def _host_f64(x):
+    x = _to_numpy(x)
+    return numpy.asarray(x).astype(numpy.float64)
+
+
+def check_close(name, out, ref, lowp_ref, *, atol=1e-3):
+    """FlashAttention's tolerance rule: ``max|out - ref| <= 2 * max|lowp_ref - ref| + atol``.
+
+    Also fails when ``out`` is NaN/inf where ``ref`` is finite (poisoned or unwritten output), and
+    requires ``out == -inf`` exactly wherever ``ref == -inf`` (empty rows' LSE); those positions are
+    left out of the maxima. Arrays may be numpy or cupy, any float dtype. Returns the max error.
+    Raises AssertionError naming ``name``, the error, the bound and the worst index.
+    """
+    o, r, lo = _host_f64(out), _host_f64(ref), _host_f64(lowp_ref)
+    if o.shape != r.shape or lo.shape != r.shape:
+        raise AssertionError(f"{name}: shape mismatch: out {o.shape}, ref {r.shape}, lowp_ref {lo.shape}")
+    if numpy.isnan(r).any():
+        idx = tuple(int(i) for i in numpy.argwhere(numpy.isnan(r))[0])
+        raise AssertionError(f"{name}: reference has NaN (first at index {idx})")
+    neg_inf = r == -numpy.inf
+    bad_inf = neg_inf & (o != -numpy.inf)
+    if bad_inf.any():
+        idx = tuple(int(i) for i in numpy.argwhere(bad_inf)[0])
+        raise AssertionError(f"{name}: ref is -inf but out is {o[idx]!r} at index {idx} "
+                             f"({int(bad_inf.sum())} such elements)")
+    finite = numpy.isfinite(r)
+    poisoned = finite & ~numpy.isfinite(o)
+    if poisoned.any():
+        idx = tuple(int(i) for i in numpy.argwhere(poisoned)[0])
+        raise AssertionError(f"{name}: out is non-finite ({o[idx]!r}) where ref is finite ({r[idx]!r}) at index "
+                             f"{idx} ({int(poisoned.sum())} such elements)")
+    with numpy.errstate(invalid="ignore"):  # -inf - -inf at the excluded positions
+        err = numpy.where(finite, numpy.abs(o - r), 0.0)
+        low_err = numpy.where(finite & numpy.isfinite(lo), numpy.abs(lo - r), 0.0)
+    max_err = float(err.max()) if err.size else 0.0
+    max_low = float(low_err.max()) if low_err.size else 0.0
+    bound = 2.0 * max_low + float(atol)
+    if not max_err <= bound:
+        idx = tuple(int(i) for i in numpy.unravel_index(int(numpy.argmax(err)), err.shape))
+        raise AssertionError(f"{name}: max |out - ref| = {max_err:.3e} > allowed {bound:.3e} "
+                             f"(= 2 * lowp error {max_low:.3e} + atol {float(atol):.1e}); worst at index {idx}: "
+                             f"out {o[idx]!r}, ref {r[idx]!r}")
+    return max_err
+
+
+# ----------------------------------------------------------------------------------------------------
+# materialised "standard attention" (the benchmark peer)
+# ----------------------------------------------------------------------------------------------------
+
+def _gemm_operand(x, cupy):
+    """A (..., R, C) cupy array as a strided-batched cuBLAS operand without copying when possible.
+
+    cuBLAS is column-major: a row-major (R, C) buffer *is* the column-major (C, R) matrix x^T (op N,
+    ld = C), and the transposed view of a row-major (C, R) buffer is the column-major (R, C) matrix x
+    (op T, ld = R). Returns (array, transposed, ld, batch_stride) with strides in elements.
+    """
+    r, c = x.shape[-2:]
+    item = x.itemsize
+    if x.strides[-1] == item and (x.strides[-2] == c * item or r == 1):
+        transposed, ld, mat = False, c, r * c
+    elif x.strides[-2] == item and (x.strides[-1] == r * item or c == 1):
+        transposed, ld, mat = True, r, r * c
+    else:
+        x = cupy.ascontiguousarray(x)
+        transposed, ld, mat = False, c, r * c
+    # batch dims must collapse into one uniform stride (true for the transposes used here)
+    expect = mat * item
+    for size, stride in zip(reversed(x.shape[:-2]), reversed(x.strides[:-2])):
+        if size != 1 and stride != expect:
+            return _gemm_operand(cupy.ascontiguousarray(x), cupy)
+        expect *= size
+    return x, transposed, ld, mat
+
+
+def _cublas_bf16_matmul(a, b):
+    """bf16 (..., M, K) @ (..., K, N) -> bf16 (..., M, N) through cublasGemmStridedBatchedEx, fp32 compute.
+
+    CuPy's matmul has no bfloat16 kernel, so the naive peer calls cuBLAS itself (tensor cores, as
+    PyTorch would). Row-major C = A B is column-major C^T = B^T A^T, hence B is passed first.
+    """
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    if a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"bf16 matmul: shapes {a.shape} and {b.shape} do not match (no broadcasting here)")
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    batch = a.shape[:-2]
+    nbatch = int(numpy.prod(batch)) if batch else 1
+    out = cupy.empty(batch + (m, n), dtype=a.dtype)
+    if out.size == 0:
+        return out
+    if k == 0:
+        out.fill(0)
+        return out
+    a, ta, lda, sa = _gemm_operand(a, cupy)
+    b, tb, ldb, sb = _gemm_operand(b, cupy)
+    op = {False: cublas.CUBLAS_OP_N, True: cublas.CUBLAS_OP_T}
+    cuda_r_16bf, compute_32f, gemm_default = 14, 68, -1  # CUDA_R_16BF, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT
+    one = numpy.ones((), numpy.float32)
+    zero = numpy.zeros((), numpy.float32)
+    handle = cupy.cuda.device.get_cublas_handle()
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    try:
+        cublas.gemmStridedBatchedEx(
+            handle, op[tb], op[ta], n, m, k,
+            one.ctypes.data, b.data.ptr, cuda_r_16bf, ldb, sb,
+            a.data.ptr, cuda_r_16bf, lda, sa,
+            zero.ctypes.data, out.data.ptr, cuda_r_16bf, n, m * n,
+            nbatch, compute_32f, gemm_default)
+    finally:
+        cublas.setPointerMode(handle, mode)
+    return out
+
+
+def _mm_low(a, b, dtype, xp):
+    """Matmul in the input dtype. CuPy: a real bf16/fp16 cuBLAS GEMM (tensor cores, fp32 accumulation);
+    bf16 goes to cuBLAS directly since cupy.matmul has no bf16 path. NumPy has no fast low-precision
+    GEMM, so it accumulates in fp32 and rounds -- the same numbers up to summation order."""
+    if _is_cupy(xp):
+        a, b = a.astype(dtype, copy=False), b.astype(dtype, copy=False)
+        if numpy.dtype(dtype).name == "bfloat16":
+            return _cublas_bf16_matmul(a, b)
+        return xp.matmul(a, b)
+    f32 = numpy.float32
+    return xp.matmul(a.astype(f32), b.astype(f32)).astype(dtype)
+
+
+def _naive_probs(q, k, causal, softmax_scale, xp):
+    """Full (B, H, Sq, Sk) float32 probability matrix, the standard-attention way (K repeated for GQA)."""
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, k)
+    scale = _scale(softmax_scale, d)
+    if h != hkv:
+        k = xp.repeat(k, h // hkv, axis=2)
+    s = _mm_low(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1), q.dtype, xp)  # (B, H, Sq, Sk), input dtype
+    s = s.astype(numpy.float32)
+    s *= numpy.float32(scale)
+    if causal:
+        mask = mask_matrix(sq, sk, causal=True, xp=xp)
+        s = xp.where(mask, s, _full_like_scalar(xp, -numpy.inf, s.dtype))
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, _full_like_scalar(xp, 0, s.dtype))  # empty rows: avoid -inf - -inf
+    s -= m
+    xp.exp(s, out=s)
+    l = s.sum(axis=-1, keepdims=True)
+    l = xp.where(l > 0, l, _full_like_scalar(xp, 1, s.dtype))
+    s /= l
+    return s, scale
+
+
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None):
+    """Standard attention with the full Sq x Sk matrix in memory: GEMMs in the input dtype, softmax in fp32.
+
+    Returns out (B, Sq, H, D) in the input dtype. Works on CuPy (fast, cuBLAS) and NumPy (slow).
+    """
+    xp = _get_xp(q, k, v)
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
+    p, _ = _naive_probs(q, k, causal, softmax_scale, xp)
+    if h != hkv:
+        v = xp.repeat(v, h // hkv, axis=2)
+    o = _mm_low(p.astype(q.dtype), v.transpose(0, 2, 1, 3), q.dtype, xp)  # (B, H, Sq, D)
+    return xp.ascontiguousarray(o.transpose(0, 2, 1, 3))
+
+
+def attention_naive_backward(dout, q, k, v, out, *, causal=False, softmax_scale=None):
+    """Standard materialised backward: recompute P, then dV = P^T dO, dP = dO V^T, dS = P (dP - D),
+    dQ = scale dS K, dK = scale dS^T Q with GEMMs in the input dtype and the softmax part in fp32.
+
+    Returns (dq, dk, dv) shaped like q, k, v in the input dtype (GQA: summed over each group in fp32).
+    """
+    xp = _get_xp(dout, q, k, v, out)
+    b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
+    dt = q.dtype
+    g = h // hkv
+    p, scale = _naive_probs(q, k, causal, softmax_scale, xp)          # fp32 (B, H, Sq, Sk)
+    kr = xp.repeat(k, g, axis=2) if g > 1 else k
+    vr = xp.repeat(v, g, axis=2) if g > 1 else v
+    do = dout.astype(dt).transpose(0, 2, 1, 3)                       # (B, H, Sq, D)
+    dv = _mm_low(p.astype(dt).transpose(0, 1, 3, 2), do, dt, xp)      # (B, H, Sk, D)
+    dp = _mm_low(do, vr.transpose(0, 2, 3, 1), dt, xp)                # (B, H, Sq, Sk)
+    delta = (dout.astype(numpy.float32) * out.astype(numpy.float32)).sum(axis=-1)  # (B, Sq, H)
+    delta = delta.transpose(0, 2, 1)[..., None]                       # (B, H, Sq, 1)
+    ds = dp.astype(numpy.float32)
+    ds -= delta
+    ds *= p
+    ds *= numpy.float32(scale)
+    ds = ds.astype(dt)
+    dq = _mm_low(ds, kr.transpose(0, 2, 1, 3), dt, xp)                # (B, H, Sq, D)
+    dk = _mm_low(ds.transpose(0, 1, 3, 2), q.transpose(0, 2, 1, 3), dt, xp)  # (B, H, Sk, D)
+    if g > 1:
+        dk = dk.astype(numpy.float32).reshape(b, hkv, g, sk, d).sum(axis=2).astype(dt)
+        dv = dv.astype(numpy.float32).reshape(b, hkv, g, sk, dv.shape[-1]).sum(axis=2).astype(dt)
+    return (xp.ascontiguousarray(dq.transpose(0, 2, 1, 3)), xp.ascontiguousarray(dk.transpose(0, 2, 1, 3)),
+            xp.ascontiguousarray(dv.transpose(0, 2, 1, 3)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# NumPy model of the tiled FlashAttention-1 algorithm
+# ----------------------------------------------------------------------------------------------------
+
+def kv_block_range(m_block, *, seqlen_q, seqlen_k, block_m, block_n, causal=False, window_size=(-1, -1)):
+    """K/V blocks that Q block ``m_block`` must visit: ``(n_block_min, n_block_max)``, max exclusive.
+
+    Exactly the blocks holding at least one visible (row, key) pair of the Q block's real rows
+    (rows past seqlen_q are not counted). Why a contiguous range is exact: row i sees the interval
+    [i + off - left, i + off + right] (off = Sk - Sq), consecutive rows' intervals shift by one and are
+    at least one key long, so the union over the Q block is one interval, clipped to [0, Sk).
+    An empty result is returned as (0, 0): the kernel writes out = 0, lse = -inf for the whole Q block.
+
+    Note for C: the divisions below are floor divisions of possibly negative numbers; C's ``/``
+    truncates toward zero, so clamp to >= 0 before dividing (as done here) or use a floor-div helper.
+    """
+    left, right = _effective_window(causal, window_size)
+    row_lo = m_block * block_m
+    row_hi = min((m_block + 1) * block_m, seqlen_q) - 1  # last real row of the block
+    if row_lo > row_hi or seqlen_k <= 0:
+        return 0, 0
+    off = seqlen_k - seqlen_q
+    key_lo = max(0, row_lo + off - left) if left >= 0 else 0
+    key_hi = min(seqlen_k - 1, row_hi + off + right) if right >= 0 else seqlen_k - 1
+    if key_hi < key_lo:
+        return 0, 0
+    return key_lo // block_n, key_hi // block_n + 1
+
+
+def _model_inputs(*arrays):
+    return [None if a is None else _to_numpy(a).astype(numpy.float64) for a in arrays]
+
+
+def fa1_tiled_forward_model(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                            block_m=64, block_n=64):
+    """FlashAttention-1 forward, block by block, in float64 (NumPy only). Returns (out, lse) like
+    ``attention_ref``. One (batch, head, Q block) is what one CUDA thread block does."""
+    q, k, v = _model_inputs(q, k, v)
+    b, sq, sk, h, hkv, d, dv = _check_shapes(q, k, v)
+    g = h // hkv
+    scale = _scale(softmax_scale, d)
+    masked = _has_mask(causal, window_size)
+    out = numpy.zeros((b, sq, h, dv))
+    lse = numpy.full((b, h, sq), -numpy.inf)
+    n_m_blocks = -(-sq // block_m)
+    for bi in range(b):
+        for hi in range(h):
+            kvh = hi // g  # GQA: query head -> its KV head
+            for m_block in range(n_m_blocks):
+                r0, r1 = m_block * block_m, min((m_block + 1) * block_m, sq)
+                qi = q[bi, r0:r1, hi]  # (rows, D), stays "in shared memory/registers" for the whole loop
+                rows = numpy.arange(r0, r1)[:, None]
+                n_min, n_max = kv_block_range(m_block, seqlen_q=sq, seqlen_k=sk, block_m=block_m,
+                                              block_n=block_n, causal=causal, window_size=window_size)
+                # running statistics of the online softmax: max m, sum l (of exp(s - m)), normalised O
+                m = numpy.full(r1 - r0, -numpy.inf)
+                l = numpy.zeros(r1 - r0)
+                o = numpy.zeros((r1 - r0, dv))
+                for n_block in range(n_min, n_max):  # blocks outside the range are fully masked: skipped
+                    c0, c1 = n_block * block_n, min((n_block + 1) * block_n, sk)
+                    s = scale * (qi @ k[bi, c0:c1, kvh].T)
+                    if masked:  # only blocks crossing a mask edge need it; applying it everywhere is harmless
+                        cols = numpy.arange(c0, c1)[None, :]
+                        s = numpy.where(_visible(rows, cols, sq, sk, causal, window_size), s, -numpy.inf)
+                    # block statistics: m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~).
+                    # A row with nothing visible in this block has m~ = -inf: use 0 as the shift so that
+                    # exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+                    m_blk = s.max(axis=1)
+                    p = numpy.exp(s - numpy.where(numpy.isfinite(m_blk), m_blk, 0.0)[:, None])
+                    l_blk = p.sum(axis=1)
+                    # merge: m_new = max(m, m~), l_new = e^{m - m_new} l + e^{m~ - m_new} l~.
+                    # Same -inf care: a row that has seen nothing yet has m = m_new = -inf.
+                    m_new = numpy.maximum(m, m_blk)
+                    m_new_safe = numpy.where(numpy.isfinite(m_new), m_new, 0.0)
+                    alpha = numpy.exp(m - m_new_safe)      # rescales the old state (0 when m = -inf)
+                    beta = numpy.exp(m_blk - m_new_safe)   # rescales this block (0 when m~ = -inf)
+                    l_new = alpha * l + beta * l_blk
+                    # O_new = diag(l_new)^-1 (diag(l) e^{m - m_new} O + e^{m~ - m_new} P~ V)
+                    num = (alpha * l)[:, None] * o + beta[:, None] * (p @ v[bi, c0:c1, kvh])
+                    o = num / numpy.where(l_new > 0, l_new, 1.0)[:, None]  # l_new = 0: row still empty, O = 0
+                    m, l = m_new, l_new
+                out[bi, r0:r1, hi] = o
+                with numpy.errstate(divide="ignore"):
+                    lse[bi, hi, r0:r1] = numpy.where(l > 0, m + numpy.log(l), -numpy.inf)
+    return out, lse
+
+
+def fa1_tiled_backward_model(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                             window_size=(-1, -1), block_m=64, block_n=64):
+    """FlashAttention-1 backward (paper's Algorithm 4), block by block, float64, NumPy only.
+
+    Outer loop over K/V blocks j (one CUDA thread block per (batch, KV head, j)), inner loop over the
+    query heads of the GQA group and the Q blocks whose visible range includes j. dK_j, dV_j live in
+    registers for the whole inner loop; dQ_i is accumulated across outer iterations (atomicAdd in the
+    kernel). P is recomputed from Q, K and the forward's LSE; nothing N x N is stored.
+    """
+    dout, q, k, v, out, lse = _model_inputs(dout, q, k, v, out, lse)
+    b, sq, sk, h, hkv, d, dv_dim = _check_shapes(q, k, v)
+    g = h // hkv
+    scale = _scale(softmax_scale, d)
+    masked = _has_mask(causal, window_size)
+    # D_i = rowsum(dO_i * O_i) (= rowsum(P * dP)); a preprocessing kernel computes it once per row.
+    delta = (dout * out).sum(axis=-1)  # (B, Sq, H)
+    dq = numpy.zeros_like(q)
+    dk = numpy.zeros_like(k)
+    dv = numpy.zeros_like(v)
+    n_m_blocks = -(-sq // block_m)
+    n_n_blocks = -(-sk // block_n)
+    ranges = [kv_block_range(mb, seqlen_q=sq, seqlen_k=sk, block_m=block_m, block_n=block_n,
+                             causal=causal, window_size=window_size) for mb in range(n_m_blocks)]
+    for bi in range(b):
+        for kvh in range(hkv):
+            for n_block in range(n_n_blocks):
+                c0, c1 = n_block * block_n, min((n_block + 1) * block_n, sk)
+                kj, vj = k[bi, c0:c1, kvh], v[bi, c0:c1, kvh]
+                dk_j = numpy.zeros_like(kj)
+                dv_j = numpy.zeros_like(vj)
+                cols = numpy.arange(c0, c1)[None, :]
+                for hi in range(kvh * g, (kvh + 1) * g):  # the query heads sharing this KV head
+                    for m_block in range(n_m_blocks):
+                        n_min, n_max = ranges[m_block]
+                        if not n_min <= n_block < n_max:  # (Q block, K block) pair fully masked: skip
+                            continue
+                        r0, r1 = m_block * block_m, min((m_block + 1) * block_m, sq)
+                        qi, doi = q[bi, r0:r1, hi], dout[bi, r0:r1, hi]
+                        lse_i = lse[bi, hi, r0:r1]
+                        s = scale * (qi @ kj.T)
+                        # P = exp(scale*S - lse). Rows with lse = -inf saw no key: P = 0 (not exp(+inf)).
+                        with numpy.errstate(invalid="ignore", over="ignore"):
+                            p = numpy.exp(s - numpy.where(numpy.isfinite(lse_i), lse_i, numpy.inf)[:, None])
+                        if masked:
+                            rows = numpy.arange(r0, r1)[:, None]
+                            p = numpy.where(_visible(rows, cols, sq, sk, causal, window_size), p, 0.0)
+                        dv_j += p.T @ doi
+                        dp = doi @ vj.T
+                        ds = p * (dp - delta[bi, r0:r1, hi][:, None])
+                        dk_j += scale * (ds.T @ qi)
+                        dq[bi, r0:r1, hi] += scale * (ds @ kj)  # atomicAdd in the kernel
+                dk[bi, c0:c1, kvh] = dk_j
+                dv[bi, c0:c1, kvh] = dv_j
+    return dq, dk, dv

@@ -1,0 +1,63 @@
+// The two small passes around the FA1 backward, one warp per (batch, head, row):
+//   fa1_bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator;
+//   fa1_bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
+// Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
+#include "common/types.cuh"
+#include "fa1/params.cuh"
+
+constexpr int D = CUFLASH_HEADDIM;
+constexpr int WARPS = CUFLASH_THREADS / 32;
+constexpr int CHUNKS = D / 8;  // 8 elements (16 bytes) per lane and step
+static_assert(CHUNKS <= 32, "one warp covers a row in one step");
+
+// Row `r` of the flattened (batch, heads, seqlen_q) index space, or -1 past the end.
+__device__ __forceinline__ i64 warp_row(const Fa1BwdParams& p, int& b, int& h, int& i) {
+    const i64 r = i64(blockIdx.x) * WARPS + threadIdx.x / 32;
+    if (r >= i64(p.batch) * p.heads * p.seqlen_q) return -1;
+    i = int(r % p.seqlen_q);
+    h = int((r / p.seqlen_q) % p.heads);
+    b = int(r / (i64(p.seqlen_q) * p.heads));
+    return r;
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) fa1_bwd_preprocess(const Fa1BwdParams p) {
+    int b, h, i;
+    const i64 r = warp_row(p, b, h, i);
+    if (r < 0) return;
+    const int lane = threadIdx.x % 32;
+    float acc = 0.f;
+    if (lane < CHUNKS) {
+        const uint4 o = *reinterpret_cast<const uint4*>(p.o + b * p.o_batch_stride + i * p.o_row_stride +
+                                                         h * p.o_head_stride + lane * 8);
+        const uint4 d = *reinterpret_cast<const uint4*>(p.dout + b * p.do_batch_stride + i * p.do_row_stride +
+                                                         h * p.do_head_stride + lane * 8);
+        const u32 ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            acc += elem_t::to_float(u16(ow[w] & 0xffff)) * elem_t::to_float(u16(dw[w] & 0xffff));
+            acc += elem_t::to_float(u16(ow[w] >> 16)) * elem_t::to_float(u16(dw[w] >> 16));
+        }
+        float4* zero = reinterpret_cast<float4*>(p.dq_accum + r * D + lane * 8);
+        zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) p.dsum[r] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) fa1_bwd_convert_dq(const Fa1BwdParams p) {
+    int b, h, i;
+    const i64 r = warp_row(p, b, h, i);
+    const int lane = threadIdx.x % 32;
+    if (r < 0 || lane >= CHUNKS) return;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + r * D + lane * 8);
+    const float4 x = src[0], y = src[1];
+    const float s = p.scale;
+    uint4 out;
+    out.x = elem_t::pack2(x.x * s, x.y * s);
+    out.y = elem_t::pack2(x.z * s, x.w * s);
+    out.z = elem_t::pack2(y.x * s, y.y * s);
+    out.w = elem_t::pack2(y.z * s, y.w * s);
+    *reinterpret_cast<uint4*>(p.dq + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + lane * 8) = out;
+}

@@ -1,0 +1,73 @@
+"""GPU tier for ``python -m cuflash bench``: a --quick prefill and backward sweep end to end (peers included,
+whatever this machine has), its JSON, --compare against the first file, and --svg."""
+import argparse
+import json
+import math
+
+import pytest
+
+from cuflash import bench
+
+pytestmark = pytest.mark.gpu
+
+
+def run_bench(*argv):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args(list(argv)))
+
+
+def check_rows(rows, suite):
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        missing = set(bench.REQUIRED_KEYS) - set(row)
+        assert not missing, (row["impl"], missing)
+        assert row["suite"] == suite and row["dtype"] == "bf16"
+        assert row["gpu"] and row["env"]["ceilings"]["bf16_matmul_tflops"] > 0
+    impls = {row["impl"] for row in rows}
+    assert {"cuflash-fa1", "naive"} <= impls, impls
+
+    ours = [r for r in rows if r["impl"] == "cuflash-fa1"]
+    for row in ours:
+        label = (row["seqlen_q"], row["headdim"], row["causal"])
+        assert row["error"] is None, (label, row["error"])
+        assert row["ms"] is not None and math.isfinite(row["ms"]) and row["ms"] > 0, label
+        assert row["tflops"] is not None and row["tflops"] > 0, label
+        assert row["max_err"] is not None and row["max_err"] < 0.05, (label, row["max_err"])
+        assert row["extra_mem_bytes"] is not None, label
+    # At these tiny sizes the naive attention always fits: the speed-up vs naive must be there.
+    assert all("naive" in r["speedup_vs"] for r in ours)
+    for row in rows:
+        if row["impl"] == "naive":
+            assert row["ms"] is not None and row["max_err"] < 0.05, row
+    # Every shape of the sweep appears for cuflash.
+    shapes = {(r["seqlen_q"], r["headdim"], r["causal"]) for r in rows}
+    assert shapes == {(r["seqlen_q"], r["headdim"], r["causal"]) for r in ours}
+
+
+@pytest.mark.parametrize("suite", ["prefill", "backward"])
+def test_quick_sweep_writes_json(tmp_path, suite):
+    path = tmp_path / f"{suite}.json"
+    assert run_bench("--quick", "--suite", suite, "--json", str(path)) == 0
+    check_rows(json.loads(path.read_text()), suite)
+
+
+def test_compare_and_svg(tmp_path):
+    first, second, svg = tmp_path / "first.json", tmp_path / "second.json", tmp_path / "report.svg"
+    argv = ["--quick", "--impls", "cuflash-fa1,naive", "--headdims", "64", "--seqlens", "512"]
+    assert run_bench(*argv, "--json", str(first)) == 0
+    assert run_bench(*argv, "--json", str(second), "--compare", str(first), "--svg", str(svg)) == 0
+    rows = json.loads(second.read_text())
+    assert {r["impl"] for r in rows} == {"cuflash-fa1", "naive"}
+    assert all(r["delta_vs_old_pct"] is not None and math.isfinite(r["delta_vs_old_pct"]) for r in rows)
+    assert svg.read_text().lstrip().startswith("<svg")
+
+
+def test_time_fn_measures_gpu_work():
+    import cupy
+
+    a = cupy.random.default_rng(0).standard_normal((2048, 2048), dtype=cupy.float32)
+    small = bench.time_fn(lambda: a @ a, warmup=2, reps=5)
+    big_a = cupy.random.default_rng(0).standard_normal((4096, 4096), dtype=cupy.float32)
+    big = bench.time_fn(lambda: big_a @ big_a, warmup=2, reps=5)
+    assert 0 < small < big  # 8x the work takes longer
