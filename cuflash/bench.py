@@ -59,6 +59,10 @@ FULL_DEFAULTS = dict(headdims=[64, 128, 256], seqlens=[512, 1024, 2048, 4096, 81
                      total_tokens=16384, hidden=2048, warmup=5, reps=30)
 QUICK_DEFAULTS = dict(headdims=[64, 128], seqlens=[256, 1024], total_tokens=2048, hidden=2048, warmup=1, reps=3)
 
+#: Seconds of timed calls one measurement may take before its repetitions are cut (to at least MIN_REPS).
+TIME_BUDGET_S = 3.0
+MIN_REPS = 5
+
 OFFLINE_SENTENCE = "No CUDA GPU found on this machine: running the offline compile check (sm_90a) instead."
 
 
@@ -209,7 +213,10 @@ class Case:
         err = 0.0
         for ref, out, cut in zip(self.reference(), outs, slicers):
             got = cut(_to_cupy(out)).astype(cupy.float32)
-            err = max(err, float(cupy.max(cupy.abs(got - ref.astype(cupy.float32)))))
+            this = float(cupy.max(cupy.abs(got - ref.astype(cupy.float32))))
+            if not math.isfinite(this):  # max() would silently drop a NaN
+                return this
+            err = max(err, this)
         return err
 
 
@@ -473,7 +480,7 @@ def _error_text(exc: BaseException) -> str:
 
 
 def make_row(suite: Suite, impl: str, shape: Shape, dtype: str, *, ms=None, max_err=None, error=None,
-             extra_mem_bytes=None, env=None) -> dict:
+             extra_mem_bytes=None, env=None, reps=None) -> dict:
     """One JSON row. The metric comes from the suite's work count and ``ms``; ratios are filled later."""
     env = env or {}
     value = None
@@ -493,6 +500,7 @@ def make_row(suite: Suite, impl: str, shape: Shape, dtype: str, *, ms=None, max_
         "headdim": shape.headdim,
         "causal": shape.causal,
         "ms": ms,
+        "reps": reps,
         "tflops": value if suite.metric == "tflops" else None,
         "tbps": value if suite.metric == "tbps" else None,
         "pct_of_ceiling": 100.0 * value / ceiling if value is not None and ceiling else None,
@@ -505,13 +513,23 @@ def make_row(suite: Suite, impl: str, shape: Shape, dtype: str, *, ms=None, max_
     }
 
 
+def _budgeted_reps(timed: Timed, cfg) -> tuple[int, int]:
+    """(warmup, reps) for one measurement: as asked, unless one call is so slow (the naive attention at
+    16k, a portable kernel) that they would take more than TIME_BUDGET_S; then fewer, but at least
+    MIN_REPS. One probe call decides (the first call, which compiled, has already run)."""
+    probe_ms = time_fn(timed.fn, 0, 1, before=timed.before)
+    if probe_ms * (cfg.warmup + cfg.reps) <= 1e3 * TIME_BUDGET_S:
+        return cfg.warmup, cfg.reps
+    return min(cfg.warmup, 1), min(cfg.reps, max(MIN_REPS, int(1e3 * TIME_BUDGET_S / probe_ms)))
+
+
 def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
     """Time one implementation on one case; failures become a row with ``ms: null`` and an ``error``."""
     shape = case.shape
     limit = SLOW_PEERS.get(impl)
     if limit is not None and shape.seqlen_q > limit and not cfg.include_slow:
         return make_row(suite, impl, shape, cfg.dtype, error="skipped: too slow", env=env)
-    ms = max_err = extra = error = None
+    ms = max_err = extra = error = reps = None
     timed = outs = None
     try:
         timed = factory_for(impl)(case)
@@ -523,10 +541,11 @@ def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
                 free_memory()
             max_err = None
         outs = None
-        ms = time_fn(timed.fn, cfg.warmup, cfg.reps, before=timed.before)
+        warmup, reps = _budgeted_reps(timed, cfg)
+        ms = time_fn(timed.fn, warmup, reps, before=timed.before)
     except Exception as exc:
         error = "out of memory" if _is_oom(exc) else _error_text(exc)
-        ms = None
+        ms = reps = None
     finally:
         timed = outs = None
         try:
@@ -537,7 +556,7 @@ def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
         max_err = None
         error = error or "output has NaN or inf"
     return make_row(suite, impl, shape, cfg.dtype, ms=ms, max_err=max_err, error=error,
-                    extra_mem_bytes=extra, env=env)
+                    extra_mem_bytes=extra, env=env, reps=reps)
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -850,6 +869,51 @@ def _offline_check(arch: str) -> int:
     return compile_report.run_offline_check(arch)
 
 
+class _Sweep:
+    """Walks the (headdim, causal) groups of one suite; one table per group. After a kernel fault the CUDA
+    context is dead, so every later measurement becomes a "skipped" row instead of a cascade of errors."""
+
+    def __init__(self, suite: Suite, cfg, impls: list[str], env: dict, old_rows, progress, task):
+        self.suite, self.cfg, self.impls, self.env, self.old_rows = suite, cfg, impls, env, old_rows
+        self.progress, self.task = progress, task
+        self.context_lost = None
+        self.ratio_peers = [p for p in TABLE_RATIO_PEERS if p in impls]
+
+    def shape_rows(self, shape: Shape) -> list[dict]:
+        suite, cfg = self.suite, self.cfg
+        case = Case(shape, cfg.dtype, suite.mode, cfg.seed) if self.context_lost is None else None
+        rows = []
+        for impl in self.impls:
+            self.progress.update(self.task, description=f"{suite.name} d={shape.headdim} "
+                                 f"{'causal' if shape.causal else 'full'} {shape.label} {impl}")
+            if self.context_lost is not None:
+                rows.append(make_row(suite, impl, shape, cfg.dtype, env=self.env,
+                                     error=f"skipped: CUDA context lost after {self.context_lost}"))
+            else:
+                rows.append(measure(suite, case, impl, cfg, self.env))
+                if _is_fatal(rows[-1]["error"]):
+                    self.context_lost = f"{impl} at {shape.label} d={shape.headdim}"
+            self.progress.advance(self.task)
+        case = None
+        if self.context_lost is None:
+            free_memory()
+        add_speedups(rows)
+        return rows
+
+    def group(self, headdim: int, causal: bool):
+        """Rows and table of one (headdim, causal) sweep over the sequence lengths."""
+        cfg, suite = self.cfg, self.suite
+        rows = []
+        for shape in attention_shapes(headdim, causal, cfg.seqlens, cfg.total_tokens, cfg.hidden):
+            rows += self.shape_rows(shape)
+        if self.old_rows is not None:
+            add_deltas(rows, self.old_rows)
+        unit, roof = ("TFLOP/s", "matmul") if suite.metric == "tflops" else ("TB/s", "copy")
+        title = (f"{suite.name} · d={headdim} · {'causal' if causal else 'non-causal'} · {cfg.dtype} · "
+                 f"{unit}, % of the {roof} ceiling")
+        return rows, render_table(suite, rows, title, self.ratio_peers)
+
+
 def run(args: argparse.Namespace) -> int:
     if not has_gpu():
         print(OFFLINE_SENTENCE)
@@ -875,47 +939,18 @@ def run(args: argparse.Namespace) -> int:
     env = collect_env()
     with console.status("measuring the ceilings (bf16 matmul, D2D copy)"):
         env["ceilings"] = measure_ceilings()
-    header = render_header(env, suite, cfg)
-    console.print(header)
-    renderables = [header]
-    ratio_peers = [p for p in TABLE_RATIO_PEERS if p in impls]
+    renderables = [render_header(env, suite, cfg)]
+    console.print(renderables[0])
 
     groups = [(d, c) for d in cfg.headdims for c in cfg.causals]
-    total = len(groups) * len(cfg.seqlens) * len(impls)
     rows: list[dict] = []
-    context_lost = None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     with progress:
-        task = progress.add_task("sweep", total=total)
+        task = progress.add_task("sweep", total=len(groups) * len(cfg.seqlens) * len(impls))
+        sweep = _Sweep(suite, cfg, impls, env, old_rows, progress, task)
         for headdim, causal in groups:
-            group_rows = []
-            for shape in attention_shapes(headdim, causal, cfg.seqlens, cfg.total_tokens, cfg.hidden):
-                case = Case(shape, cfg.dtype, suite.mode, cfg.seed) if context_lost is None else None
-                shape_rows = []
-                for impl in impls:
-                    progress.update(task, description=f"{suite.name} d={headdim} "
-                                                      f"{'causal' if causal else 'full'} {shape.label} {impl}")
-                    if context_lost is not None:
-                        row = make_row(suite, impl, shape, cfg.dtype, env=env,
-                                       error=f"skipped: CUDA context lost after {context_lost}")
-                    else:
-                        row = measure(suite, case, impl, cfg, env)
-                        if _is_fatal(row["error"]):
-                            context_lost = f"{impl} {shape.label} d={headdim}"
-                    shape_rows.append(row)
-                    progress.advance(task)
-                case = None
-                if context_lost is None:
-                    free_memory()
-                add_speedups(shape_rows)
-                group_rows += shape_rows
-            if old_rows is not None:
-                add_deltas(group_rows, old_rows)
-            title = (f"{suite.name} · d={headdim} · {'causal' if causal else 'non-causal'} · {cfg.dtype} · "
-                     f"{suite.metric.replace('tflops', 'TFLOP/s').replace('tbps', 'TB/s')}, "
-                     f"% of the {'matmul' if suite.metric == 'tflops' else 'copy'} ceiling")
-            table = render_table(suite, group_rows, title, ratio_peers)
+            group_rows, table = sweep.group(headdim, causal)
             progress.console.print(table)
             renderables.append(table)
             rows += group_rows

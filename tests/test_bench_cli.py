@@ -222,6 +222,7 @@ def no_device(monkeypatch):
     monkeypatch.setattr(bench, "free_memory", lambda: None)
     monkeypatch.setattr(bench, "measure_extra_memory", lambda timed: (123, timed.fn()))
     monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: 0.5)
+    monkeypatch.setattr(bench, "_budgeted_reps", lambda timed, c: (c.warmup, c.reps))
 
 
 def test_measure_success_and_failures(monkeypatch, no_device):
@@ -238,11 +239,24 @@ def test_measure_success_and_failures(monkeypatch, no_device):
     case = FakeCase(shape())
     ok = bench.measure(suite, case, "ok", c, ENV)
     assert ok["ms"] == 0.5 and ok["error"] is None and ok["extra_mem_bytes"] == 123 and ok["max_err"] == 0.0
+    assert ok["reps"] == c.reps
     for name in ("oom", "oom-text"):
         row = bench.measure(suite, case, name, c, ENV)
         assert row["ms"] is None and row["error"] == "out of memory"
     bad = bench.measure(suite, case, "bad", c, ENV)
     assert bad["ms"] is None and bad["error"] == "ValueError: head dim 512 unsupported"
+
+
+def test_slow_calls_get_fewer_reps(monkeypatch):
+    timed = bench.Timed(lambda: (None,))
+    monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: 0.1)
+    assert bench._budgeted_reps(timed, cfg("--warmup", "5", "--reps", "30")) == (5, 30)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: 1000.0)  # 1 s a call
+    warmup, reps = bench._budgeted_reps(timed, cfg("--warmup", "5", "--reps", "30"))
+    assert warmup <= 1 and reps == bench.MIN_REPS
+    monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: 200.0)
+    assert bench._budgeted_reps(timed, cfg("--reps", "30"))[1] == max(bench.MIN_REPS, int(1e3 * bench.TIME_BUDGET_S / 200))
+    assert bench._budgeted_reps(timed, cfg("--quick"))[1] <= cfg("--quick").reps  # never more than asked
 
 
 def test_torch_math_skipped_at_long_sequences(monkeypatch, no_device):
