@@ -147,3 +147,21 @@ def window_bounds(window_size, causal: bool, dims: Dims) -> tuple[int, int]:
     if causal:
         right = 0
     return left, right
+
+
+def softcap_value(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a float (0 = off); got {type(softcap).__name__}")
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off); got {softcap}")
+    return float(softcap)
+
+
+def check_alibi_slopes(spec: Spec, dims: Dims, q: Spec) -> None:
+    if spec.shape != (dims.heads,):
+        raise ValueError(f"alibi_slopes must have shape (heads,) = ({dims.heads},); got {_shape_str(spec)}")
+    if spec.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {spec.dtype}")
+    if spec.strides != (1,):
+        raise ValueError(f"alibi_slopes must be contiguous; got stride {spec.strides[0]}")
+    check_same_device([q, spec])

@@ -4,12 +4,12 @@ Names and semantics follow flash-attn, so switching is a change of import.
 """
 from __future__ import annotations
 
-from . import _validate, fa1
+from . import _validate, fa1, fa2
 from ._interop import Call
-from .heuristics import choose_impl
+from .heuristics import IMPL_PREFERENCE
 
-IMPLS = ("fa1",)
-_FAMILIES = {"fa1": fa1}
+_FAMILIES = {"fa1": fa1, "fa2": fa2}
+IMPLS = tuple(_FAMILIES)
 
 _MASK_DOC = """
     Layout: q is (batch, seqlen_q, heads, headdim); k and v are (batch, seqlen_k, kv_heads, headdim)
@@ -42,46 +42,89 @@ def available_impls() -> list[str]:
 
     if not has_gpu():
         return []
-    return ["fa1"] if compute_capability() >= (8, 0) else []
+    return [name for name, fam in _FAMILIES.items() if compute_capability() >= fam.MIN_CC]
 
 
-def _pick_impl(impl: str, headdim: int, device: int):
+def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> str | None:
+    """Why ``family`` cannot run this call (None when it can)."""
+    supported = family.FWD_FEATURES if direction == "forward" else family.BWD_FEATURES
+    if supported is None:
+        return f"it has no {direction} kernel yet"
+    if cc < family.MIN_CC:
+        return f"it needs sm_{family.MIN_CC[0]}{family.MIN_CC[1]} or newer (this GPU is sm_{cc[0]}{cc[1]})"
+    if headdim not in family.HEADDIMS:
+        return f"head dim {headdim} is not supported (supported: {list(family.HEADDIMS)})"
+    missing = sorted(features - supported)
+    if missing:
+        return f"its {direction} does not support {', '.join(missing)}"
+    return None
+
+
+def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward", features=frozenset()):
+    """The kernel family module that runs this call; ValueError saying why when none can."""
     from ._device import compute_capability
 
     if impl not in IMPLS + ("auto",):
         raise ValueError(f"impl must be one of {IMPLS + ('auto',)}; got {impl!r}")
     cc = compute_capability(device)
-    if impl == "auto":
-        impl = choose_impl(headdim, cc)
-    family = _FAMILIES[impl]
-    _validate.check_headdim(headdim, family.HEADDIMS, impl)
-    if cc < (8, 0):
-        raise ValueError(f"impl={impl!r} needs a GPU of compute capability 8.0 or newer; this one is sm_{cc[0]}{cc[1]}")
-    return family
+    names = IMPL_PREFERENCE if impl == "auto" else (impl,)
+    reasons = {}
+    for name in names:
+        reasons[name] = _supports(_FAMILIES[name], headdim, cc, direction, set(features))
+        if reasons[name] is None:
+            return _FAMILIES[name]
+    why = "; ".join(f"impl={n!r}: {r}" for n, r in reasons.items())
+    raise ValueError(f"no cuflash implementation can run this {direction} call: {why}")
 
 
-def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False,
-                    impl="auto"):
+def _features(causal: bool, window: tuple, softcap: float, alibi_slopes) -> set[str]:
+    feats = {"gqa"}
+    if causal:
+        feats.add("causal")
+    if tuple(window) != (-1, -1):
+        feats.add("window")
+    if softcap:
+        feats.add("softcap")
+    if alibi_slopes is not None:
+        feats.add("alibi")
+    return feats
+
+
+def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, return_lse=False, impl="auto"):
     """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
     log-sum-exp of the scaled scores of each row, shape (batch, heads, seqlen_q), -inf for rows that
     see no key. The result is in the caller's framework and computed on its current stream.
-    ``softmax_scale`` defaults to 1/sqrt(headdim). ``impl``: "fa1" or "auto" (the best available).
+    ``softmax_scale`` defaults to 1/sqrt(headdim). ``softcap > 0`` caps the logits:
+    softcap · tanh(scale · qkᵀ / softcap) (Gemma-2 style). ``alibi_slopes``: float32 (heads,) array;
+    adds -slope[h] · |i + seqlen_k - seqlen_q - j| to the logits. ``impl``: "fa1", "fa2" or "auto"
+    (the fastest implementation that supports the call on this GPU).
     """
     import cupy
 
-    with Call([("q", q), ("k", k), ("v", v)]) as call:
-        qs, ks, vs = call.specs
+    arrays = [("q", q), ("k", k), ("v", v)] + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else [])
+    with Call(arrays) as call:
+        qs, ks, vs = call.specs[:3]
         dims = _validate.check_qkv(qs, ks, vs)
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
-        family = _pick_impl(impl, dims.headdim, call.device.id)
+        softcap = _validate.softcap_value(softcap)
+        if alibi_slopes is not None:
+            _validate.check_alibi_slopes(call.specs[3], dims, qs)
+        family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
+                            _features(causal, window_size, softcap, alibi_slopes))
 
-        qa, ka, va = call.arrays
+        qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream)
+        extra = {}
+        if softcap:
+            extra["softcap"] = softcap
+        if alibi_slopes is not None:
+            extra["alibi_slopes"] = call.arrays[3]
+        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
@@ -104,7 +147,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         _validate.check_lse(lses, dims, qs)
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
-        family = _pick_impl(impl, dims.headdim, call.device.id)
+        family = _pick_impl(impl, dims.headdim, call.device.id, "backward", _features(causal, window_size, 0.0, None))
 
         qa, ka, va, oa, doa, lsea = call.arrays
         dq = cupy.empty_like(qa)

@@ -7,29 +7,27 @@ from __future__ import annotations
 import numpy as np
 
 from ._jit import Variant, get_function
+from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_strides, pointer_fields, smem_tile_bytes,
+                      stride_fields)
 from ._validate import Dims
 from .heuristics import FA1_TILES
 
 FAMILY = "fa1"
 HEADDIMS = tuple(sorted(FA1_TILES))
-DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # CUFLASH_DTYPE in kernels_cu/common/types.cuh
-
-
-def _strides(*prefixes: str) -> list[tuple[str, type]]:
-    return [(f"{p}_{s}_stride", np.int64) for p in prefixes for s in ("batch", "row", "head")]
-
-
-_DIMS = [(n, np.int32) for n in ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "window_left", "window_right")]
+MIN_CC = (8, 0)
+FWD_FEATURES = frozenset({"causal", "window", "gqa"})
+BWD_FEATURES = FWD_FEATURES
 
 # Mirrors of Fa1FwdParams / Fa1BwdParams in kernels_cu/fa1/params.cuh (same order, C alignment).
 FWD_PARAMS = np.dtype(
-    [(n, np.uint64) for n in ("q", "k", "v", "o", "lse")] + _strides("q", "k", "v", "o") + _DIMS + [("scale", np.float32)],
+    pointer_fields("q", "k", "v", "o", "lse") + stride_fields("q", "k", "v", "o") + DIMS_FIELDS
+    + [("scale", np.float32)],
     align=True,
 )
 BWD_PARAMS = np.dtype(
-    [(n, np.uint64) for n in ("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "lse", "dsum")]
-    + _strides("q", "k", "v", "o", "do", "dq", "dk", "dv")
-    + _DIMS
+    pointer_fields("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "lse", "dsum")
+    + stride_fields("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    + DIMS_FIELDS
     + [("scale", np.float32)],
     align=True,
 )
@@ -37,13 +35,9 @@ BWD_PARAMS = np.dtype(
 _AUX_THREADS = 128  # 4 warps, one row each
 
 
-def _smem_tile_bytes(rows: int, cols: int) -> int:
-    return rows * (cols + 8) * 2  # SmemTile pads each row by 8 elements
-
-
 def fwd_variant(headdim: int, dtype: str) -> Variant:
     t = FA1_TILES[headdim]
-    smem = _smem_tile_bytes(t.block_m, headdim) + 2 * _smem_tile_bytes(t.block_n, headdim)
+    smem = smem_tile_bytes(t.block_m, headdim) + 2 * smem_tile_bytes(t.block_n, headdim)
     return Variant(
         FAMILY,
         "fa1/fwd.cu",
@@ -58,7 +52,7 @@ def fwd_variant(headdim: int, dtype: str) -> Variant:
 def bwd_variant(headdim: int, dtype: str) -> Variant:
     t = FA1_TILES[headdim]
     block = 16 * t.bwd_key_warps
-    smem = 4 * _smem_tile_bytes(block, headdim) + _smem_tile_bytes(block, block) + 2 * 4 * block
+    smem = 4 * smem_tile_bytes(block, headdim) + smem_tile_bytes(block, block) + 2 * 4 * block
     return Variant(
         FAMILY,
         "fa1/bwd.cu",
@@ -90,19 +84,6 @@ def all_variants() -> list[Variant]:
     return out
 
 
-def _fill_strides(params, prefix: str, a) -> None:
-    item = a.dtype.itemsize
-    for axis, s in zip((0, 1, 2), ("batch", "row", "head")):
-        params[f"{prefix}_{s}_stride"] = a.strides[axis] // item
-
-
-def _fill_dims(params, dims: Dims, window: tuple[int, int], scale: float) -> None:
-    params["batch"], params["heads"], params["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
-    params["seqlen_q"], params["seqlen_k"] = dims.seqlen_q, dims.seqlen_k
-    params["window_left"], params["window_right"] = window
-    params["scale"] = scale
-
-
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream) -> None:
     """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q)."""
     variant = fwd_variant(dims.headdim, dims.dtype)
@@ -110,8 +91,9 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
         p[name] = a.data.ptr
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
-        _fill_strides(p, name, a)
-    _fill_dims(p, dims, window, scale)
+        fill_strides(p, name, a)
+    fill_dims(p, dims, window)
+    p["scale"] = scale
     block_m = FA1_TILES[dims.headdim].block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
     get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
@@ -125,8 +107,9 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     for name, a in arrays.items():
         p[name] = a.data.ptr
     for prefix, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
-        _fill_strides(p, prefix, a)
-    _fill_dims(p, dims, window, scale)
+        fill_strides(p, prefix, a)
+    fill_dims(p, dims, window)
+    p["scale"] = scale
 
     rows = dims.batch * dims.heads * dims.seqlen_q
     aux_grid = ((rows + _AUX_THREADS // 32 - 1) // (_AUX_THREADS // 32),)

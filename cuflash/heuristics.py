@@ -31,11 +31,28 @@ FA1_TILES = {
 }
 
 
-def choose_impl(headdim: int, compute_capability: tuple[int, int]) -> str:
-    """``impl="auto"``: the best implementation that supports this call on this GPU."""
-    if headdim in FA1_TILES and compute_capability >= (8, 0):
-        return "fa1"
-    raise ValueError(
-        f"no cuflash implementation supports head dim {headdim} on sm_{compute_capability[0]}"
-        f"{compute_capability[1]}; supported head dims: {sorted(FA1_TILES)} on sm_80 and newer"
-    )
+@dataclass(frozen=True)
+class Fa2Tiles:
+    block_m: int  # query rows per thread block
+    block_n: int  # keys per K/V tile (two tiles of K and two of V are in flight)
+    warps: int  # each warp owns block_m / warps rows (one or two 16-row m-tiles)
+
+
+# head dim -> FA2 forward tiles. Two m-tiles per warp (block_m = 128 with 4 warps) let every K/V
+# fragment read from shared memory feed two MMAs, halving shared-memory traffic per FLOP; that needs
+# O (d/2 fp32 per m-tile) + S (block_n/2 per m-tile) to fit in 255 registers, which holds up to
+# d = 128 with block_n = 64. d = 192 and 256 keep one m-tile per warp (O alone is 96/128 registers)
+# and block_m = 64 so Q + 2 x (K + V) stays within shared memory (160 KB at d = 256).
+FA2_TILES = {
+    32: Fa2Tiles(block_m=128, block_n=64, warps=4),
+    64: Fa2Tiles(block_m=128, block_n=64, warps=4),
+    96: Fa2Tiles(block_m=128, block_n=32, warps=4),
+    128: Fa2Tiles(block_m=128, block_n=64, warps=8),
+    192: Fa2Tiles(block_m=64, block_n=64, warps=4),
+    256: Fa2Tiles(block_m=64, block_n=64, warps=4),
+}
+
+
+# impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
+# (head dim, direction, features): the fastest first.
+IMPL_PREFERENCE = ("fa2", "fa1")

@@ -237,10 +237,22 @@ def _mask_or_none(seqlen_q, seqlen_k, causal, window_size, xp):
 # exact references
 # ----------------------------------------------------------------------------------------------------
 
-def _forward_probs(q, k, *, causal, softmax_scale, window_size, dtype, round_dtype=None):
+def _alibi_bias(slopes, sq, sk, hkv, g, dtype, xp):
+    """ALiBi bias -slope[h] * |i + (Sk - Sq) - j| as (1, Hkv, g*Sq, Sk), in the stacked-row order."""
+    i = xp.arange(sq)[:, None]
+    j = xp.arange(sk)[None, :]
+    dist = xp.abs(i + (sk - sq) - j).astype(dtype)  # (Sq, Sk)
+    slopes = xp.asarray(slopes).astype(dtype).reshape(hkv, g, 1, 1)
+    return (-slopes * dist).reshape(1, hkv, g * sq, sk)
+
+
+def _forward_probs(q, k, *, causal, softmax_scale, window_size, dtype, round_dtype=None, softcap=0.0,
+                   alibi_slopes=None):
     """Scores -> probabilities in ``dtype``; with ``round_dtype`` S is rounded as a low-precision run would.
 
-    Returns P (B, Hkv, g*Sq, Sk), lse rows (B, Hkv, g*Sq), the mask and the scale.
+    Logits are scale * S, or softcap * tanh(scale * S / softcap) when softcap > 0, plus the ALiBi bias
+    -slope[h] * |i + Sk - Sq - j| when slopes are given. Returns P (B, Hkv, g*Sq, Sk), lse rows
+    (B, Hkv, g*Sq), the mask, the scale, and dlogits/dS (None without softcap).
     """
     xp = _get_xp(q, k)
     b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, k)
@@ -256,27 +268,37 @@ def _forward_probs(q, k, *, causal, softmax_scale, window_size, dtype, round_dty
         s = _round_to(s * numpy.float32(scale), round_dtype)
     else:
         s = s * dtype.type(scale)
+    dlogits = None
+    if softcap > 0:
+        t = xp.tanh(s / dtype.type(softcap))
+        s = dtype.type(softcap) * t
+        dlogits = dtype.type(scale) * (1 - t * t)
+    if alibi_slopes is not None:
+        s = s + _alibi_bias(alibi_slopes, sq, sk, hkv, g, dtype, xp)
     mask = _mask_or_none(sq, sk, causal, window_size, xp)
     s = _apply_mask(s, mask, g, xp)
     p, lse = _softmax_rows(s, xp)
-    return p, lse, mask, scale
+    return p, lse, mask, scale, dlogits
 
 
-def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), compute_dtype="float32"):
-    """Exact attention in ``compute_dtype`` ("float32" or "float64").
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), compute_dtype="float32",
+                  softcap=0.0, alibi_slopes=None):
+    """Exact attention in ``compute_dtype`` ("float32" or "float64"), optionally with a softcap
+    (logits = softcap * tanh(scale * S / softcap)) and ALiBi slopes (one per query head).
 
     Returns ``out`` (B, Sq, H, D) and ``lse`` (B, H, Sq), both in ``compute_dtype``.
     """
     xp = _get_xp(q, k, v)
     dtype = _as_dtype(compute_dtype)
     b, sq, sk, h, hkv, d, dv = _check_shapes(q, k, v)
-    p, lse, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
-                                  window_size=window_size, dtype=dtype)
+    p, lse, _, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                     dtype=dtype, softcap=softcap, alibi_slopes=alibi_slopes)
     o = xp.matmul(p, v.astype(dtype).transpose(0, 2, 1, 3))  # (B, Hkv, g*Sq, Dv)
     return _merge_heads(o, sq), _lse_layout(lse, sq)
 
 
-def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None):
     """The same attention done naively in the input's precision (as plain bf16/fp16 PyTorch code would).
 
     S = q @ k^T (fp32 accumulation) rounded to the input dtype, scaled (and rounded again), softmax in
@@ -287,15 +309,15 @@ def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size
     low = q.dtype
     f32 = numpy.dtype(numpy.float32)
     _, sq, *_ = _check_shapes(q, k, v)
-    p, lse, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
-                                  window_size=window_size, dtype=f32, round_dtype=low)
+    p, lse, _, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                     dtype=f32, round_dtype=low, softcap=softcap, alibi_slopes=alibi_slopes)
     p = _round_to(p, low)
     o = _round_to(xp.matmul(p, v.astype(f32).transpose(0, 2, 1, 3)), low)
     return _merge_heads(o, sq), _lse_layout(lse, sq)
 
 
 def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           compute_dtype="float32"):
+                           compute_dtype="float32", softcap=0.0, alibi_slopes=None):
     """Exact gradients (dq, dk, dv) of ``attention_ref``'s out for the upstream gradient ``dout``.
 
     Shapes like q, k, v, dtype ``compute_dtype``; for GQA dk/dv are summed over each group's query heads.
@@ -303,8 +325,9 @@ def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, w
     xp = _get_xp(dout, q, k, v)
     dtype = _as_dtype(compute_dtype)
     b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
-    p, _, _, scale = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
-                                    window_size=window_size, dtype=dtype)
+    p, _, _, scale, dlogits = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                             window_size=window_size, dtype=dtype, softcap=softcap,
+                                             alibi_slopes=alibi_slopes)
     do = _split_heads(dout.astype(dtype), hkv)          # (B, Hkv, g*Sq, Dv)
     qs = _split_heads(q.astype(dtype), hkv)             # (B, Hkv, g*Sq, D)
     kk = k.astype(dtype).transpose(0, 2, 1, 3)          # (B, Hkv, Sk, D)
@@ -314,8 +337,12 @@ def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, w
     dp = xp.matmul(do, vv.transpose(0, 1, 3, 2))
     delta = (p * dp).sum(axis=-1, keepdims=True)        # = rowsum(dO * O)
     ds = p * (dp - delta)                               # masked / empty rows: p = 0 -> ds = 0
-    dq = xp.matmul(ds, kk) * dtype.type(scale)
-    dk = xp.matmul(ds.transpose(0, 1, 3, 2), qs) * dtype.type(scale)
+    if dlogits is None:
+        ds = ds * dtype.type(scale)
+    else:
+        ds = ds * dlogits                               # chain rule through the softcap's tanh
+    dq = xp.matmul(ds, kk)
+    dk = xp.matmul(ds.transpose(0, 1, 3, 2), qs)
     return _merge_heads(dq, sq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 
@@ -330,8 +357,8 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
     low = q.dtype
     f32 = numpy.dtype(numpy.float32)
     b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
-    p32, _, _, scale = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
-                                      window_size=window_size, dtype=f32, round_dtype=low)
+    p32, _, _, scale, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                         window_size=window_size, dtype=f32, round_dtype=low)
     p = _round_to(p32, low)
     do = _round_to(_split_heads(dout.astype(f32), hkv), low)
     qs = _split_heads(q.astype(f32), hkv)

@@ -78,3 +78,13 @@ ptxas info    : Used 255 registers, used 1 barriers
     row = {"ok": True, "spill_bytes": 0, "stack_bytes": 0,
            "advisories": ["ptxas info: (C7517) warpgroup.wait_group is injected"]}
     assert compile_report.problems(row) == ["wgmma serialised by ptxas"]
+
+
+def test_fa2_uses_tensor_cores_and_cp_async(report):
+    """FA2 variants: mma.sync (HMMA) fed by cp.async (LDGSTS) and ldmatrix (LDSM)."""
+    arch, _, rows, _ = report
+    fa2_rows = [r for r in rows if r["family"] == "fa2"]
+    assert fa2_rows
+    for r in fa2_rows:
+        ops = r["opcodes"]
+        assert ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, r["name"]

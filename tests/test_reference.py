@@ -459,3 +459,71 @@ def test_attention_naive_lowp_within_rule(case, dtype):
     for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, grads_r, grads_l):
         assert g.dtype == dtype
         R.check_close(f"naive {name}", g, gr, gl)
+
+
+# --- softcap and ALiBi (FA2 features) -----------------------------------------------------------------
+
+def _loop_reference_softcap_alibi(q, k, v, scale, softcap, slopes, causal):
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    out = np.zeros((b, sq, h, d))
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // (h // hkv)
+            for i in range(sq):
+                logits = []
+                for j in range(sk):
+                    if causal and j > i + sk - sq:
+                        logits.append(-np.inf)
+                        continue
+                    x = scale * float(q[bi, i, hi] @ k[bi, j, kh])
+                    if softcap:
+                        x = softcap * np.tanh(x / softcap)
+                    if slopes is not None:
+                        x -= slopes[hi] * abs(i + sk - sq - j)
+                    logits.append(x)
+                logits = np.array(logits)
+                if np.isneginf(logits).all():
+                    continue
+                p = np.exp(logits - logits.max())
+                out[bi, i, hi] = (p / p.sum()) @ v[bi, :, kh]
+    return out
+
+
+@pytest.mark.parametrize("softcap,alibi,causal", [(5.0, False, False), (0.0, True, True), (2.0, True, False)])
+def test_softcap_alibi_forward_matches_loop(softcap, alibi, causal):
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((2, 5, 4, 8))
+    k = rng.standard_normal((2, 7, 2, 8))
+    v = rng.standard_normal((2, 7, 2, 8))
+    slopes = rng.uniform(0.1, 1.0, 4) if alibi else None
+    out, _ = R.attention_ref(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes,
+                                     compute_dtype="float64")
+    want = _loop_reference_softcap_alibi(q, k, v, 8 ** -0.5, softcap, slopes, causal)
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_softcap_alibi_backward_matches_finite_differences():
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 4, 2, 4))
+    k = rng.standard_normal((1, 5, 1, 4))
+    v = rng.standard_normal((1, 5, 1, 4))
+    dout = rng.standard_normal(q.shape)
+    slopes = np.array([0.3, 0.7])
+    kw = dict(causal=True, softcap=3.0, alibi_slopes=slopes, compute_dtype="float64")
+    dq, dk, dv = R.attention_ref_backward(dout, q, k, v, **kw)
+
+    def loss(q_, k_, v_):
+        return float((R.attention_ref(q_, k_, v_, **kw)[0] * dout).sum())
+
+    eps = 1e-6
+    for arr, grad in ((q, dq), (k, dk), (v, dv)):
+        num = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            arr[idx] += eps
+            hi = loss(q, k, v)
+            arr[idx] -= 2 * eps
+            lo = loss(q, k, v)
+            arr[idx] += eps
+            num[idx] = (hi - lo) / (2 * eps)
+        np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-8)

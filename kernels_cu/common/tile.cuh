@@ -1,23 +1,37 @@
 // Shared-memory tiles of 16-bit elements and the cooperative copies that fill them.
 //
-// A tile is ROWS x COLS elements with each row padded by 8 elements (16 bytes): consecutive rows then
-// start 4 banks apart, so the 8 row addresses of an ldmatrix phase fall in different banks, and every
-// row stays 16-byte aligned as ldmatrix and 16-byte vector loads require.
+// Every access of these tiles is a 16-byte chunk (8 elements) whose column is a multiple of 8: an
+// ldmatrix row address or a vector copy. The 8 row addresses of an ldmatrix phase must fall in
+// different banks. Two layouts achieve that:
+//   padded   (SWIZZLE = false): each row is padded by 8 elements (16 bytes), so consecutive rows
+//            start 4 banks apart. Costs 16 bytes per row. Works for any COLS.
+//   swizzled (SWIZZLE = true):  rows are packed; chunk c of row r is stored at chunk c ^ (r % 8),
+//            so the same logical chunk of 8 consecutive rows lands in 8 different 16-byte bank
+//            groups of a 128-byte line. Needs COLS to be a multiple of 64 (8 chunks).
 #pragma once
+#include "ptx.cuh"
 #include "types.cuh"
 
-template <int ROWS, int COLS>
+template <int ROWS, int COLS, bool SWIZZLE = false>
 struct SmemTile {
-    static constexpr int PITCH = COLS + 8;
+    static_assert(!SWIZZLE || COLS % 64 == 0, "the XOR swizzle permutes groups of 8 chunks");
+    static constexpr int PITCH = SWIZZLE ? COLS : COLS + 8;
     u16 data[ROWS][PITCH];
-    __device__ __forceinline__ u16* at(int r, int c) { return &data[r][c]; }
+    __device__ __forceinline__ u16* at(int r, int c) {
+        if constexpr (SWIZZLE) return &data[r][(((c >> 3) ^ (r & 7)) << 3) | (c & 7)];
+        else return &data[r][c];
+    }
 };
+
+// Padded when the head dim is not a multiple of 64 (32, 96), swizzled otherwise.
+template <int ROWS, int COLS>
+using FastSmemTile = SmemTile<ROWS, COLS, COLS % 64 == 0>;
 
 // Copy rows [0, rows_valid) of a (ROWS x COLS) global tile with row stride `row_stride` (elements)
 // into `tile`; rows past rows_valid become zeros, so out-of-range keys and values can never inject
 // NaN or Inf from whatever memory lies beyond the array. Every thread of the block takes part.
-template <int THREADS, int ROWS, int COLS>
-__device__ __forceinline__ void load_tile_sync(SmemTile<ROWS, COLS>& tile, const u16* src, i64 row_stride,
+template <int THREADS, int ROWS, int COLS, bool SW>
+__device__ __forceinline__ void load_tile_sync(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
                                                int rows_valid) {
     constexpr int CHUNKS = COLS / 8;  // 16-byte chunks per row
     for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
@@ -28,6 +42,21 @@ __device__ __forceinline__ void load_tile_sync(SmemTile<ROWS, COLS>& tile, const
     }
 }
 
+// The same copy issued as cp.async (16 bytes per instruction, completion tracked by commit groups):
+// the copy runs in the background while the block computes on the previous tile. Rows past
+// rows_valid are zero-filled by the hardware (source size 0), reading nothing.
+template <int THREADS, int ROWS, int COLS, bool SW>
+__device__ __forceinline__ void load_tile_async(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
+                                                int rows_valid) {
+    constexpr int CHUNKS = COLS / 8;
+#pragma unroll
+    for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+        int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+        const bool in = r < rows_valid;
+        cp_async_16(tile.at(r, c), in ? src + r * row_stride + c : src, in ? 16 : 0);
+    }
+}
+
 // ldmatrix address helpers for a 16x16 block at (r0, c0) of a tile. Matrix i of an ldmatrix.x4 comes
 // from lanes 8i..8i+7 (see ptx.cuh).
 //   a_operand: the four matrices in A-fragment order (rows r0/r0+8 x cols c0/c0+8, row-major).
@@ -35,15 +64,15 @@ __device__ __forceinline__ void load_tile_sync(SmemTile<ROWS, COLS>& tile, const
 //     n-tile r0..r0+7, registers {2,3} that of n-tile r0+8..r0+15, both over k = c0..c0+15.
 //   b_operand_trans: a tile stored [k][n] (n contiguous), for ldmatrix.trans: registers {0,1} are
 //     the B fragment of n-tile c0..c0+7, {2,3} that of c0+8..c0+15, over k = r0..r0+15.
-template <int ROWS, int COLS>
-__device__ __forceinline__ u16* a_operand(SmemTile<ROWS, COLS>& t, int r0, int c0, int lane) {
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ u16* a_operand(SmemTile<ROWS, COLS, SW>& t, int r0, int c0, int lane) {
     return t.at(r0 + (lane & 15), c0 + (lane >> 4) * 8);
 }
-template <int ROWS, int COLS>
-__device__ __forceinline__ u16* b_operand_from_rows(SmemTile<ROWS, COLS>& t, int r0, int c0, int lane) {
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ u16* b_operand_from_rows(SmemTile<ROWS, COLS, SW>& t, int r0, int c0, int lane) {
     return t.at(r0 + (lane & 7) + (lane >> 4) * 8, c0 + ((lane >> 3) & 1) * 8);
 }
-template <int ROWS, int COLS>
-__device__ __forceinline__ u16* b_operand_trans(SmemTile<ROWS, COLS>& t, int r0, int c0, int lane) {
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ u16* b_operand_trans(SmemTile<ROWS, COLS, SW>& t, int r0, int c0, int lane) {
     return t.at(r0 + (lane & 7) + ((lane >> 3) & 1) * 8, c0 + (lane >> 4) * 8);
 }

@@ -1,0 +1,40 @@
+"""Pieces shared by the kernel families' parameter structs (numpy mirrors of the C structs).
+
+A params struct is a size-1 numpy structured array (align=True gives C's layout); CuPy passes it to
+the kernel by value.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._validate import Dims
+
+DIMS_FIELDS = [(n, np.int32) for n in ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "window_left",
+                                       "window_right")]
+DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # CUFLASH_DTYPE in kernels_cu/common/types.cuh
+
+
+def pointer_fields(*names: str) -> list[tuple[str, type]]:
+    return [(n, np.uint64) for n in names]
+
+
+def stride_fields(*prefixes: str) -> list[tuple[str, type]]:
+    """``{prefix}_{batch,row,head}_stride`` int64 fields, in elements."""
+    return [(f"{p}_{s}_stride", np.int64) for p in prefixes for s in ("batch", "row", "head")]
+
+
+def fill_strides(params, prefix: str, a) -> None:
+    item = a.dtype.itemsize
+    for axis, s in zip((0, 1, 2), ("batch", "row", "head")):
+        params[f"{prefix}_{s}_stride"] = a.strides[axis] // item
+
+
+def fill_dims(params, dims: Dims, window: tuple[int, int]) -> None:
+    params["batch"], params["heads"], params["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
+    params["seqlen_q"], params["seqlen_k"] = dims.seqlen_q, dims.seqlen_k
+    params["window_left"], params["window_right"] = window
+
+
+def smem_tile_bytes(rows: int, cols: int, swizzled: bool = False) -> int:
+    """Bytes of a kernels_cu/common/tile.cuh SmemTile: packed when swizzled, else rows padded by 8."""
+    return rows * (cols if swizzled else cols + 8) * 2

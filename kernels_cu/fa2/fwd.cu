@@ -1,0 +1,226 @@
+// FA2-style attention forward (FlashAttention-2's work split on mma.sync tensor cores).
+//
+// Grid: (Q blocks, heads, batch); heavy causal blocks (the last rows see the most keys) launch first.
+// A block's WARPS warps each own MT consecutive 16-row m-tiles of the BLOCK_M query rows, so no
+// reduction ever crosses warps. Per K/V tile:
+//   - the next K (then V) tile streams into the other half of a two-stage shared-memory ring with
+//     cp.async while this tile is computed;
+//   - S = Q K^T (mma.sync m16n8k16, fp32 accumulation), each K fragment feeding MT m-tiles;
+//   - online softmax in base 2 with the scale folded into one FMA per score: p = 2^(s*c - m*c);
+//     O is rescaled only when a row max moves, and divided by the row sum once, at the end;
+//   - O += P V with P taken straight from the S registers as the A operand.
+// Tiles are XOR-swizzled in shared memory (padded when the head dim is not a multiple of 64), so
+// ldmatrix runs without bank conflicts. Masks: causal (bottom-right), sliding window; only tiles
+// that cross a mask edge pay for per-element checks; tiles with nothing visible are never loaded.
+//
+// Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
+// CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1).
+#include "common/mask.cuh"
+#include "common/ptx.cuh"
+#include "common/tile.cuh"
+#include "fa2/params.cuh"
+
+constexpr int D = CUFLASH_HEADDIM;
+constexpr int BM = CUFLASH_BLOCK_M;
+constexpr int BN = CUFLASH_BLOCK_N;
+constexpr int WARPS = CUFLASH_WARPS;
+constexpr int MT = BM / (16 * WARPS);  // 16-row m-tiles per warp
+constexpr int THREADS = WARPS * 32;
+constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr bool ALIBI = CUFLASH_ALIBI;
+static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
+static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && BN % 16 == 0, "tiles are made of 16x16 mma blocks");
+
+struct Smem {
+    FastSmemTile<BM, D> q;
+    FastSmemTile<BN, D> k[2];
+    FastSmemTile<BN, D> v[2];
+};
+
+typedef float Frag[4];  // one m16n8 fp32 accumulator fragment
+
+// S[mt] (16 x BN) = Q[rows of m-tile mt] K^T for the warp's MT m-tiles.
+__device__ __forceinline__ void qk_product(FastSmemTile<BM, D>& q, FastSmemTile<BN, D>& k, int row0, int lane,
+                                           Frag (&s)[MT][BN / 8]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D; kk += 16) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a_operand(q, row0 + mt * 16, kk, lane));
+#pragma unroll
+        for (int nn = 0; nn < BN; nn += 16) {
+            u32 b[4];
+            ldmatrix_x4(b, b_operand_from_rows(k, nn, kk, lane));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<elem_t>(s[mt][nn / 8], a[mt], {b[0], b[1]});
+                mma_16816<elem_t>(s[mt][nn / 8 + 1], a[mt], {b[2], b[3]});
+            }
+        }
+    }
+}
+
+// O[mt] (16 x D) += P[mt] V, with P packed to 16-bit A fragments.
+__device__ __forceinline__ void pv_product(FastSmemTile<BN, D>& v, int lane, const u32 (&p)[MT][BN / 16][4],
+                                           Frag (&o)[MT][D / 8]) {
+#pragma unroll
+    for (int kk = 0; kk < BN; kk += 16) {
+#pragma unroll
+        for (int dd = 0; dd < D; dd += 16) {
+            u32 b[4];
+            ldmatrix_x4_trans(b, b_operand_trans(v, kk, dd, lane));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<elem_t>(o[mt][dd / 8], p[mt][kk / 16], {b[0], b[1]});
+                mma_16816<elem_t>(o[mt][dd / 8 + 1], p[mt][kk / 16], {b[2], b[3]});
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS) fa2_fwd(const Fa2FwdParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (last) Q blocks first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kv_head = head / (p.heads / p.kv_heads);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+
+    const int row0 = m_block * BM;
+    const int warp_row0 = warp * MT * 16;  // first row of this warp within the block
+    const u16* q = p.q + batch * p.q_batch_stride + head * p.q_head_stride + row0 * p.q_row_stride;
+    const u16* k = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+    const u16* v = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    float alibi = 0.f;  // ALiBi slope in raw-score units: logits get slope * -|i + diag - j|
+    if constexpr (ALIBI) alibi = p.alibi_slopes[head] * 1.44269504088896341f / p.scale_log2;
+
+    int n_lo, n_hi;
+    mask.kv_block_range<BM, BN>(m_block, n_lo, n_hi);
+
+    Frag o[MT][D / 8] = {};
+    float row_max[MT][2], row_sum[MT][2];  // row_sum: this thread's partial sums (quad-reduced at the end)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) row_max[mt][0] = row_max[mt][1] = neg_inf(), row_sum[mt][0] = row_sum[mt][1] = 0.f;
+
+    if (n_lo < n_hi) {
+        load_tile_async<THREADS>(sm.q, q, p.q_row_stride, p.seqlen_q - row0);
+        load_tile_async<THREADS>(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, p.seqlen_k - n_lo * BN);
+        cp_async_commit();
+        load_tile_async<THREADS>(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, p.seqlen_k - n_lo * BN);
+        cp_async_commit();
+    }
+
+    for (int n = n_lo; n < n_hi; ++n) {
+        const int stage = (n - n_lo) & 1;
+        const int key0 = n * BN, next_key0 = key0 + BN;
+        const bool has_next = n + 1 < n_hi;
+
+        cp_async_wait<1>();  // this K tile has landed (this V tile may still be in flight)
+        __syncthreads();     // ... for every thread; and everyone is done with the other stage
+        if (has_next)
+            load_tile_async<THREADS>(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
+                                     p.seqlen_k - next_key0);
+        cp_async_commit();
+
+        Frag s[MT][BN / 8];
+        qk_product(sm.q, sm.k[stage], warp_row0, lane, s);
+
+        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
+        u32 pa[MT][BN / 16][4];  // P as A fragments of the PV product
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int r_lo = row0 + warp_row0 + mt * 16 + g;  // rows r_lo and r_lo + 8
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int row = r_lo + (e / 2) * 8, col = key0 + j * 8 + 2 * t + (e & 1);
+                    float x = s[mt][j][e];
+                    if constexpr (SOFTCAP) x = tanh_approx(x * p.softcap_pre);
+                    if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
+                    if (needs_mask && !mask.visible(row, col)) x = neg_inf();
+                    s[mt][j][e] = x;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = row_max[mt][r];
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+                mx = quad_max(mx);
+                // A row with nothing visible yet keeps max -inf: exponentiate against 0 then.
+                const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
+                const float alpha = fast_exp2(row_max[mt][r] * p.scale_log2 - base);
+                row_max[mt][r] = mx;
+                float sum = 0.f;
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) {
+                    s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] * p.scale_log2 - base);
+                    s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - base);
+                    sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+                }
+                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+                for (int j = 0; j < D / 8; ++j) o[mt][j][2 * r] *= alpha, o[mt][j][2 * r + 1] *= alpha;
+            }
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                pa[mt][kk][0] = elem_t::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][kk][1] = elem_t::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][kk][2] = elem_t::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][kk][3] = elem_t::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+        }
+
+        cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
+        __syncthreads();
+        if (has_next)
+            load_tile_async<THREADS>(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
+                                     p.seqlen_k - next_key0);
+        cp_async_commit();
+
+        pv_product(sm.v[stage], lane, pa, o);
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O /= l, LSE = (m * c + log2 l) * ln 2. Each warp stages its own rows of O in its own
+    // rows of the Q tile (no other warp reads them), then writes whole 16-byte chunks.
+    float* lse = p.lse + (i64(batch) * p.heads + head) * p.seqlen_q;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(row_sum[mt][r]);
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            const int row_in_block = warp_row0 + mt * 16 + g + 8 * r;
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+                *reinterpret_cast<u32*>(sm.q.at(row_in_block, j * 8 + 2 * t)) =
+                    elem_t::pack2(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
+            const int row = row0 + row_in_block;
+            if (t == 0 && row < p.seqlen_q)
+                lse[row] = l > 0.f ? (row_max[mt][r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+        }
+    }
+    __syncwarp();
+    u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride;
+    constexpr int CHUNKS = D / 8;
+    for (int i = lane; i < MT * 16 * CHUNKS; i += 32) {
+        const int r = warp_row0 + i / CHUNKS, c = (i % CHUNKS) * 8;
+        if (row0 + r < p.seqlen_q)
+            *reinterpret_cast<uint4*>(out + (row0 + r) * p.o_row_stride + c) = *reinterpret_cast<uint4*>(sm.q.at(r, c));
+    }
+}
