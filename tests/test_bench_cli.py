@@ -268,6 +268,15 @@ def test_torch_math_skipped_at_long_sequences(monkeypatch, no_device):
     assert bench.measure(suite, long_case, "torch-math", cfg("--include-slow"), ENV)["ms"] == 0.5
 
 
+def test_unsupported_is_not_a_failure():
+    assert bench._is_unsupported("ValueError: impl='fa2': it has no backward kernel yet")
+    assert bench._is_unsupported("NotImplementedError: flashinfer has no attention backward")
+    assert bench._is_unsupported("skipped: too slow")
+    assert not bench._is_unsupported("out of memory")
+    assert not bench._is_unsupported("output has NaN or inf")
+    assert not bench._is_unsupported("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access")
+
+
 def test_fatal_errors_recognised():
     assert bench._is_fatal("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was encountered")
     assert not bench._is_fatal("out of memory")
