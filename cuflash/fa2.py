@@ -39,7 +39,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
         "fa2/fwd.cu",
         "fa2_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
-         ("CUFLASH_WARPS", t.warps), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
+         ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
          ("CUFLASH_ALIBI", int(alibi))),
         threads=t.warps * 32,
         smem_bytes=smem,

@@ -34,8 +34,9 @@ FA1_TILES = {
 @dataclass(frozen=True)
 class Fa2Tiles:
     block_m: int  # query rows per thread block
-    block_n: int  # keys per K/V tile (two tiles of K and two of V are in flight)
+    block_n: int  # keys per K/V tile in shared memory (two of K and two of V are in flight)
     warps: int  # each warp owns block_m / warps rows (one or two 16-row m-tiles)
+    compute_n: int = 0  # keys per S/softmax/PV step within a tile (0 = block_n); bounds S registers
 
 
 # head dim -> FA2 forward tiles, measured on the H200 (bench/NOTES.md, FA2 v0). Two m-tiles per warp

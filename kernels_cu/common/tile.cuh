@@ -76,3 +76,47 @@ template <int ROWS, int COLS, bool SW>
 __device__ __forceinline__ u16* b_operand_trans(SmemTile<ROWS, COLS, SW>& t, int r0, int c0, int lane) {
     return t.at(r0 + (lane & 7) + ((lane >> 3) & 1) * 8, c0 + (lane >> 4) * 8);
 }
+
+// Register-light ldmatrix addressing. A lane's ldmatrix row address inside a 16x16 block at (r0, c0)
+// is (r0 + lane_row, c0 + 8 * lane_chunk); only lane_row and lane_chunk depend on the lane. For a
+// swizzled tile, with r0 a multiple of 8 and c0 a multiple of 16, the stored chunk is
+//     (c0/8 + lane_chunk) ^ (lane_row % 8) = 8 * (c0/64) + ((c0/8 % 8) ^ (lane_chunk ^ lane_row % 8)),
+// so four per-lane bases (one per value of c0/16 % 4) plus a compile-time offset give every address:
+// the unrolled loops then use [register + immediate] instead of one live register per address.
+// lane_row / lane_chunk of the three operand kinds (see a_operand & co. above):
+//   A:          lane & 15,                          lane >> 4
+//   B rows:     (lane & 7) + (lane >> 4) * 8,       (lane >> 3) & 1
+//   B trans:    (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4
+template <int ROWS, int COLS, bool SW>
+struct LdsmAddr {
+    static constexpr int PITCH_BYTES = SmemTile<ROWS, COLS, SW>::PITCH * 2;
+    u32 base[SW ? 4 : 1];
+
+    __device__ __forceinline__ LdsmAddr(SmemTile<ROWS, COLS, SW>& t, int lane_row, int lane_chunk) {
+        const u32 row = smem_addr(&t.data[lane_row][0]);
+        if constexpr (SW) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) base[j] = row + (((2 * j) ^ lane_chunk ^ (lane_row & 7)) << 4);
+        } else {
+            base[0] = row + lane_chunk * 16;
+        }
+    }
+    // Shared address of this lane's row for the 16x16 block at (r0, c0); r0 % 8 == 0, c0 % 16 == 0.
+    __device__ __forceinline__ u32 at(int r0, int c0) const {
+        if constexpr (SW) return base[(c0 >> 4) & 3] + r0 * PITCH_BYTES + (c0 >> 6) * 128;
+        else return base[0] + r0 * PITCH_BYTES + c0 * 2;
+    }
+};
+
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> a_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
+    return LdsmAddr<ROWS, COLS, SW>(t, lane & 15, lane >> 4);
+}
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_rows_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
+    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
+}
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_trans_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
+    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+}

@@ -14,7 +14,7 @@
 // that cross a mask edge pay for per-element checks; tiles with nothing visible are never loaded.
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
-// CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1).
+// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1).
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
 #include "common/tile.cuh"
@@ -22,14 +22,15 @@
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr int BM = CUFLASH_BLOCK_M;
-constexpr int BN = CUFLASH_BLOCK_N;
+constexpr int BN = CUFLASH_BLOCK_N;          // keys per K/V tile in shared memory (one load, one barrier pair)
+constexpr int KN = CUFLASH_BLOCK_N_COMPUTE;  // keys per S/softmax/PV step (bounds the S registers)
 constexpr int WARPS = CUFLASH_WARPS;
 constexpr int MT = BM / (16 * WARPS);  // 16-row m-tiles per warp
 constexpr int THREADS = WARPS * 32;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool ALIBI = CUFLASH_ALIBI;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && BN % 16 == 0, "tiles are made of 16x16 mma blocks");
+static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0, "tiles are made of 16x16 mma blocks");
 
 struct Smem {
     FastSmemTile<BM, D> q;
@@ -39,22 +40,27 @@ struct Smem {
 
 typedef float Frag[4];  // one m16n8 fp32 accumulator fragment
 
-// S[mt] (16 x BN) = Q[rows of m-tile mt] K^T for the warp's MT m-tiles.
-__device__ __forceinline__ void qk_product(FastSmemTile<BM, D>& q, FastSmemTile<BN, D>& k, int row0, int lane,
-                                           Frag (&s)[MT][BN / 8]) {
+typedef LdsmAddr<BM, D, (D % 64 == 0)> QAddr;
+typedef LdsmAddr<BN, D, (D % 64 == 0)> KVAddr;
+constexpr u32 KV_STAGE_BYTES = sizeof(FastSmemTile<BN, D>);
+
+// S[mt] (16 x KN) = Q[rows of m-tile mt] K[keys n0 .. n0+KN)^T for the warp's MT m-tiles. `q` addresses
+// the warp's own rows; `k` the K tile of stage 0, `k_stage` the byte offset of this tile's stage.
+__device__ __forceinline__ void qk_product(const QAddr& q, const KVAddr& k, u32 k_stage, int n0,
+                                           Frag (&s)[MT][KN / 8]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
+        for (int j = 0; j < KN / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D; kk += 16) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], a_operand(q, row0 + mt * 16, kk, lane));
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4_at(a[mt], q.at(mt * 16, kk));
 #pragma unroll
-        for (int nn = 0; nn < BN; nn += 16) {
+        for (int nn = 0; nn < KN; nn += 16) {
             u32 b[4];
-            ldmatrix_x4(b, b_operand_from_rows(k, nn, kk, lane));
+            ldmatrix_x4_at(b, k.at(n0 + nn, kk) + k_stage);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma_16816<elem_t>(s[mt][nn / 8], a[mt], {b[0], b[1]});
@@ -64,19 +70,31 @@ __device__ __forceinline__ void qk_product(FastSmemTile<BM, D>& q, FastSmemTile<
     }
 }
 
-// O[mt] (16 x D) += P[mt] V, with P packed to 16-bit A fragments.
-__device__ __forceinline__ void pv_product(FastSmemTile<BN, D>& v, int lane, const u32 (&p)[MT][BN / 16][4],
+// O[mt] (16 x D) += P[mt] V[keys n0 .. n0+KN). P stays in the fp32 S registers until each 16-key step
+// packs it into a 16-bit A fragment (the C fragments of two adjacent 8-key tiles), so no second copy
+// of P is live.
+__device__ __forceinline__ void pv_product(const KVAddr& v, u32 v_stage, int n0, const Frag (&p)[MT][KN / 8],
                                            Frag (&o)[MT][D / 8]) {
 #pragma unroll
-    for (int kk = 0; kk < BN; kk += 16) {
+    for (int kk = 0; kk < KN; kk += 16) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float* c0 = p[mt][kk / 8];
+            const float* c1 = p[mt][kk / 8 + 1];
+            a[mt][0] = elem_t::pack2(c0[0], c0[1]);
+            a[mt][1] = elem_t::pack2(c0[2], c0[3]);
+            a[mt][2] = elem_t::pack2(c1[0], c1[1]);
+            a[mt][3] = elem_t::pack2(c1[2], c1[3]);
+        }
 #pragma unroll
         for (int dd = 0; dd < D; dd += 16) {
             u32 b[4];
-            ldmatrix_x4_trans(b, b_operand_trans(v, kk, dd, lane));
+            ldmatrix_x4_trans_at(b, v.at(n0 + kk, dd) + v_stage);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma_16816<elem_t>(o[mt][dd / 8], p[mt][kk / 16], {b[0], b[1]});
-                mma_16816<elem_t>(o[mt][dd / 8 + 1], p[mt][kk / 16], {b[2], b[3]});
+                mma_16816<elem_t>(o[mt][dd / 8], a[mt], {b[0], b[1]});
+                mma_16816<elem_t>(o[mt][dd / 8 + 1], a[mt], {b[2], b[3]});
             }
         }
     }
@@ -88,7 +106,65 @@ __device__ __forceinline__ float tanh_approx(float x) {
     return y;
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS) fa2_fwd(const Fa2FwdParams p) {
+// Fold one step of scores into the running softmax: apply softcap / ALiBi / mask to the raw scores,
+// update each row's max and (per-thread partial) sum, turn S into P = 2^(s*c - m*c) in place, and
+// rescale O where a row max moved. row_lo: this thread's first row (the other is row_lo + 8) of
+// m-tile 0; col_lo: its first key column.
+__device__ __forceinline__ void online_softmax(Frag (&s)[MT][KN / 8], Frag (&o)[MT][D / 8], float (&row_max)[MT][2],
+                                               float (&row_sum)[MT][2], const Fa2FwdParams& p, const Mask& mask,
+                                               bool needs_mask, int row_lo, int col_lo, float alibi) {
+    float alpha[MT][2];  // per-row rescale of O, exactly 1 when the row max did not move
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int j = 0; j < KN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = row_lo + mt * 16 + (e / 2) * 8, col = col_lo + j * 8 + (e & 1);
+                float x = s[mt][j][e];
+                if constexpr (SOFTCAP) x = tanh_approx(x * p.softcap_pre);
+                if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
+                if (needs_mask && !mask.visible(row, col)) x = neg_inf();
+                s[mt][j][e] = x;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[mt][r];
+#pragma unroll
+            for (int j = 0; j < KN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
+            mx = quad_max(mx);
+            // A row with nothing visible yet keeps max -inf: exponentiate against 0 then.
+            const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
+            alpha[mt][r] = mx == row_max[mt][r] ? 1.f : fast_exp2(row_max[mt][r] * p.scale_log2 - base);
+            row_max[mt][r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < KN / 8; ++j) {
+                s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] * p.scale_log2 - base);
+                s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - base);
+                sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+            }
+            row_sum[mt][r] = row_sum[mt][r] * alpha[mt][r] + sum;
+        }
+    }
+    // Rescaling O costs d/2 multiplies per row; once the row maxima settle (after the first few
+    // tiles) no row of the warp moves, and the whole warp skips it.
+    bool moved = false;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j) {
+                o[mt][j][0] *= alpha[mt][0], o[mt][j][1] *= alpha[mt][0];
+                o[mt][j][2] *= alpha[mt][1], o[mt][j][3] *= alpha[mt][1];
+            }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -109,6 +185,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) fa2_fwd(const Fa2FwdParams
 
     int n_lo, n_hi;
     mask.kv_block_range<BM, BN>(m_block, n_lo, n_hi);
+    const QAddr q_addr(sm.q, warp_row0 + (lane & 15), lane >> 4);  // A operand, this warp's rows
+    const KVAddr k_addr = b_rows_addr(sm.k[0], lane);
+    const KVAddr v_addr = b_trans_addr(sm.v[0], lane);
 
     Frag o[MT][D / 8] = {};
     float row_max[MT][2], row_sum[MT][2];  // row_sum: this thread's partial sums (quad-reduced at the end)
@@ -135,64 +214,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) fa2_fwd(const Fa2FwdParams
                                      p.seqlen_k - next_key0);
         cp_async_commit();
 
-        Frag s[MT][BN / 8];
-        qk_product(sm.q, sm.k[stage], warp_row0, lane, s);
-
         const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
-        u32 pa[MT][BN / 16][4];  // P as A fragments of the PV product
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int r_lo = row0 + warp_row0 + mt * 16 + g;  // rows r_lo and r_lo + 8
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = r_lo + (e / 2) * 8, col = key0 + j * 8 + 2 * t + (e & 1);
-                    float x = s[mt][j][e];
-                    if constexpr (SOFTCAP) x = tanh_approx(x * p.softcap_pre);
-                    if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
-                    if (needs_mask && !mask.visible(row, col)) x = neg_inf();
-                    s[mt][j][e] = x;
-                }
+        for (int sub = 0; sub < BN; sub += KN) {
+            Frag s[MT][KN / 8];
+            qk_product(q_addr, k_addr, stage * KV_STAGE_BYTES, sub, s);
+            online_softmax(s, o, row_max, row_sum, p, mask, needs_mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+            if (sub == 0) {
+                cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
+                __syncthreads();
+                if (has_next)
+                    load_tile_async<THREADS>(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
+                                             p.seqlen_k - next_key0);
+                cp_async_commit();
             }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = row_max[mt][r];
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-                mx = quad_max(mx);
-                // A row with nothing visible yet keeps max -inf: exponentiate against 0 then.
-                const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
-                const float alpha = fast_exp2(row_max[mt][r] * p.scale_log2 - base);
-                row_max[mt][r] = mx;
-                float sum = 0.f;
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) {
-                    s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] * p.scale_log2 - base);
-                    s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - base);
-                    sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
-                }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-                for (int j = 0; j < D / 8; ++j) o[mt][j][2 * r] *= alpha, o[mt][j][2 * r + 1] *= alpha;
-            }
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pa[mt][kk][0] = elem_t::pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][kk][1] = elem_t::pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][kk][2] = elem_t::pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][kk][3] = elem_t::pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            pv_product(v_addr, stage * KV_STAGE_BYTES, sub, s, o);
         }
-
-        cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
-        __syncthreads();
-        if (has_next)
-            load_tile_async<THREADS>(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
-                                     p.seqlen_k - next_key0);
-        cp_async_commit();
-
-        pv_product(sm.v[stage], lane, pa, o);
     }
     cp_async_wait<0>();
 
