@@ -67,7 +67,7 @@ def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward",
     if impl not in IMPLS + ("auto",):
         raise ValueError(f"impl must be one of {IMPLS + ('auto',)}; got {impl!r}")
     cc = compute_capability(device)
-    names = IMPL_PREFERENCE if impl == "auto" else (impl,)
+    names = IMPL_PREFERENCE[direction] if impl == "auto" else (impl,)
     reasons = {}
     for name in names:
         reasons[name] = _supports(_FAMILIES[name], headdim, cc, direction, set(features))
@@ -77,8 +77,10 @@ def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward",
     raise ValueError(f"no cuflash implementation can run this {direction} call: {why}")
 
 
-def _features(causal: bool, window: tuple, softcap: float, alibi_slopes) -> set[str]:
+def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, deterministic: bool = False) -> set[str]:
     feats = {"gqa"}
+    if deterministic:
+        feats.add("deterministic")
     if causal:
         feats.add("causal")
     if tuple(window) != (-1, -1):
@@ -129,33 +131,51 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        impl="auto"):
+                        softcap=0.0, alibi_slopes=None, deterministic=False, impl="auto"):
     """Gradients (dq, dk, dv) of ``flash_attn_func`` given the output gradient ``dout``.
 
     ``out`` and ``lse`` are what the forward returned (``return_lse=True``); P is recomputed from
     q, k and lse, so nothing of size seqlen_q × seqlen_k is stored. dk and dv have k's shape: for
-    GQA/MQA they are summed over the query heads that share a KV head. ``causal``, ``softmax_scale``
-    and ``window_size`` must be the forward's.
+    GQA/MQA they are summed over the query heads that share a KV head. ``causal``, ``softmax_scale``,
+    ``window_size``, ``softcap`` and ``alibi_slopes`` must be the forward's. ``deterministic=True``
+    adds the dQ contributions in a fixed order, so the gradients are bit-identical run to run (FA2).
     """
     import cupy
 
-    with Call([("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse)]) as call:
-        qs, ks, vs, os_, dos, lses = call.specs
+    arrays = [("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse)]
+    if alibi_slopes is not None:
+        arrays.append(("alibi_slopes", alibi_slopes))
+    with Call(arrays) as call:
+        qs, ks, vs, os_, dos, lses = call.specs[:6]
         dims = _validate.check_qkv(qs, ks, vs)
         _validate.check_like(os_, qs)
         _validate.check_like(dos, qs)
         _validate.check_lse(lses, dims, qs)
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
-        family = _pick_impl(impl, dims.headdim, call.device.id, "backward", _features(causal, window_size, 0.0, None))
+        softcap = _validate.softcap_value(softcap)
+        if alibi_slopes is not None:
+            _validate.check_alibi_slopes(call.specs[6], dims, qs)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+        family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
+                            _features(causal, window_size, softcap, alibi_slopes, deterministic))
 
-        qa, ka, va, oa, doa, lsea = call.arrays
+        qa, ka, va, oa, doa, lsea = call.arrays[:6]
         dq = cupy.empty_like(qa)
         dk = cupy.empty((dims.batch, dims.seqlen_k, dims.kv_heads, dims.headdim), dtype=qa.dtype)
         dv = cupy.empty_like(dk)
         dq_accum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q, dims.headdim), dtype=cupy.float32)
         dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream)
+        extra = {}
+        if softcap:
+            extra["softcap"] = softcap
+        if alibi_slopes is not None:
+            extra["alibi_slopes"] = call.arrays[6]
+        if deterministic:
+            extra["deterministic"] = True
+        family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
+                        **extra)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 

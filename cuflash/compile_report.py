@@ -17,11 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import fa1, fa2
+from . import _bwd_aux, fa1, fa2
 from ._jit import Compiled, CompileError, Variant, compile_variant
 
 # Every kernel family contributes its variants here.
-VARIANT_SOURCES = {"fa1": fa1.all_variants, "fa2": fa2.all_variants}
+VARIANT_SOURCES = {
+    "fa1": fa1.all_variants,
+    "fa2": fa2.all_variants,
+    "bwd_aux": lambda: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
+}
 
 # Opcodes that show a kernel uses the hardware it was written for.
 OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "USETMAXREG")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _bwd_aux
 from ._jit import Variant, get_function
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_strides, pointer_fields, smem_tile_bytes,
                       stride_fields)
@@ -25,14 +26,13 @@ FWD_PARAMS = np.dtype(
     align=True,
 )
 BWD_PARAMS = np.dtype(
-    pointer_fields("q", "k", "v", "o", "dout", "dq_accum", "dq", "dk", "dv", "lse", "dsum")
-    + stride_fields("q", "k", "v", "o", "do", "dq", "dk", "dv")
+    pointer_fields("q", "k", "v", "dout", "dq_accum", "dk", "dv", "lse", "dsum")
+    + stride_fields("q", "k", "v", "do", "dk", "dv")
     + DIMS_FIELDS
     + [("scale", np.float32)],
     align=True,
 )
 
-_AUX_THREADS = 128  # 4 warps, one row each
 
 
 def fwd_variant(headdim: int, dtype: str) -> Variant:
@@ -64,23 +64,12 @@ def bwd_variant(headdim: int, dtype: str) -> Variant:
     )
 
 
-def aux_variant(kernel: str, headdim: int, dtype: str) -> Variant:
-    return Variant(
-        FAMILY,
-        "fa1/bwd_aux.cu",
-        kernel,
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
-        threads=_AUX_THREADS,
-    )
-
-
 def all_variants() -> list[Variant]:
     """Every FA1 variant cuflash can launch (the compile report builds each of them)."""
     out = []
     for dtype in DTYPE_CODES:
         for d in HEADDIMS:
             out += [fwd_variant(d, dtype), bwd_variant(d, dtype)]
-            out += [aux_variant(k, d, dtype) for k in ("fa1_bwd_preprocess", "fa1_bwd_convert_dq")]
     return out
 
 
@@ -101,25 +90,20 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
     """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch."""
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+
     p = np.zeros(1, BWD_PARAMS)
-    arrays = {"q": q, "k": k, "v": v, "o": out, "dout": dout, "dq_accum": dq_accum, "dq": dq, "dk": dk, "dv": dv,
-              "lse": lse, "dsum": dsum}
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "dq_accum": dq_accum, "dk": dk, "dv": dv, "lse": lse,
+              "dsum": dsum}
     for name, a in arrays.items():
         p[name] = a.data.ptr
-    for prefix, a in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq), ("dk", dk), ("dv", dv)):
+    for prefix, a in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
         fill_strides(p, prefix, a)
     fill_dims(p, dims, window)
     p["scale"] = scale
-
-    rows = dims.batch * dims.heads * dims.seqlen_q
-    aux_grid = ((rows + _AUX_THREADS // 32 - 1) // (_AUX_THREADS // 32),)
-    pre = aux_variant("fa1_bwd_preprocess", dims.headdim, dims.dtype)
-    get_function(pre)(aux_grid, (pre.threads,), (p,), stream=stream)
-
     main = bwd_variant(dims.headdim, dims.dtype)
     block_n = 16 * FA1_TILES[dims.headdim].bwd_key_warps
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
     get_function(main)(grid, (main.threads,), (p,), shared_mem=main.smem_bytes, stream=stream)
 
-    conv = aux_variant("fa1_bwd_convert_dq", dims.headdim, dims.dtype)
-    get_function(conv)(aux_grid, (conv.threads,), (p,), stream=stream)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)

@@ -1,7 +1,7 @@
 """FA2 family: variant keys, parameter structs and launches of kernels_cu/fa2/.
 
 sm_80 and newer: mma.sync tensor cores fed by cp.async double-buffered, swizzled shared memory.
-This slice has the forward; the backward still runs on the FA1 kernels.
+Forward and backward (dQ by fp32 atomics, or in a fixed order with ``deterministic=True``).
 """
 from __future__ import annotations
 
@@ -9,21 +9,29 @@ import math
 
 import numpy as np
 
+from . import _bwd_aux
 from ._jit import Variant, get_function
 from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_strides, pointer_fields, smem_tile_bytes, stride_fields
 from ._validate import Dims
-from .heuristics import FA2_TILES
+from .heuristics import FA2_BWD_TILES, FA2_TILES
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
 MIN_CC = (8, 0)
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi"})
-BWD_FEATURES = None  # no FA2 backward yet: flash_attn_backward runs FA1
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "deterministic"})
 
 # Mirror of Fa2FwdParams in kernels_cu/fa2/params.cuh (same order, C alignment).
 FWD_PARAMS = np.dtype(
     pointer_fields("q", "k", "v", "o", "lse", "alibi_slopes") + stride_fields("q", "k", "v", "o") + DIMS_FIELDS
     + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
+    align=True,
+)
+
+BWD_PARAMS = np.dtype(
+    pointer_fields("q", "k", "v", "dout", "dq_accum", "dk", "dv", "lse", "dsum", "alibi_slopes", "dq_semaphore")
+    + stride_fields("q", "k", "v", "do", "dk", "dv") + DIMS_FIELDS
+    + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)],
     align=True,
 )
 
@@ -46,9 +54,44 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     )
 
 
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False,
+                deterministic: bool = False) -> Variant:
+    t = FA2_BWD_TILES[headdim]
+    sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
+    smem = (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
+            + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n))
+    return Variant(
+        FAMILY,
+        "fa2/bwd.cu",
+        "fa2_bwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
+         ("CUFLASH_WARPS", t.warps), ("CUFLASH_QSTAGES", t.q_stages), ("CUFLASH_WARPS_S_M", t.warps_s_m),
+         ("CUFLASH_WARPS_KV_N", t.warps_kv_n), ("CUFLASH_WARPS_Q_M", t.warps_q_m), ("CUFLASH_S_SPLIT", t.s_split),
+         ("CUFLASH_Q_SPLIT", t.q_split),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+         ("CUFLASH_DETERMINISTIC", int(deterministic))),
+        threads=t.warps * 32,
+        smem_bytes=smem,
+    )
+
+
 def all_variants() -> list[Variant]:
-    return [fwd_variant(d, dtype, softcap, alibi) for dtype in DTYPE_CODES for d in HEADDIMS
-            for softcap in (False, True) for alibi in (False, True)]
+    out = []
+    for dtype in DTYPE_CODES:
+        for d in HEADDIMS:
+            for softcap in (False, True):
+                for alibi in (False, True):
+                    out.append(fwd_variant(d, dtype, softcap, alibi))
+                    out.append(bwd_variant(d, dtype, softcap, alibi))
+            out.append(bwd_variant(d, dtype, deterministic=True))
+    return out
+
+
+def _scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(scale_log2, softcap_pre) of the kernels' logit convention (see kernels_cu/fa2/params.cuh)."""
+    if softcap > 0:
+        return softcap * LOG2E, scale / softcap
+    return scale * LOG2E, 0.0
 
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, *, softcap: float = 0.0,
@@ -65,11 +108,37 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         fill_strides(p, name, a)
     fill_dims(p, dims, window)
-    if softcap > 0:
-        p["scale_log2"] = softcap * LOG2E
-        p["softcap_pre"] = scale / softcap
-    else:
-        p["scale_log2"] = scale * LOG2E
+    p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
     block_m = FA2_TILES[dims.headdim].block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
     get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream, *,
+             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False) -> None:
+    """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch.
+
+    ``deterministic``: dQ contributions are added in a fixed order (bit-identical results run to run).
+    """
+    import cupy
+
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+
+    t = FA2_BWD_TILES[dims.headdim]
+    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, deterministic)
+    q_blocks = (dims.seqlen_q + t.block_m - 1) // t.block_m
+    semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None
+    p = np.zeros(1, BWD_PARAMS)
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "dq_accum": dq_accum, "dk": dk, "dv": dv, "lse": lse,
+              "dsum": dsum, "alibi_slopes": alibi_slopes, "dq_semaphore": semaphore}
+    for name, a in arrays.items():
+        p[name] = 0 if a is None else a.data.ptr
+    for prefix, a in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
+        fill_strides(p, prefix, a)
+    fill_dims(p, dims, window)
+    p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
+    p["scale"] = scale
+    grid = ((dims.seqlen_k + t.block_n - 1) // t.block_n, dims.kv_heads, dims.batch)
+    get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)

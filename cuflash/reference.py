@@ -346,7 +346,8 @@ def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, w
     return _merge_heads(dq, sq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)
 
 
-def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                                softcap=0.0, alibi_slopes=None):
     """Naive low-precision gradients (float32 arrays holding values rounded to the input dtype).
 
     Forward as ``attention_ref_lowp``; then dP = dO @ V^T rounded, dV = P^T @ dO rounded,
@@ -357,8 +358,9 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
     low = q.dtype
     f32 = numpy.dtype(numpy.float32)
     b, sq, sk, h, hkv, d, _ = _check_shapes(q, k, v)
-    p32, _, _, scale, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
-                                         window_size=window_size, dtype=f32, round_dtype=low)
+    p32, _, _, scale, dlogits = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale,
+                                               window_size=window_size, dtype=f32, round_dtype=low,
+                                               softcap=softcap, alibi_slopes=alibi_slopes)
     p = _round_to(p32, low)
     do = _round_to(_split_heads(dout.astype(f32), hkv), low)
     qs = _split_heads(q.astype(f32), hkv)
@@ -368,7 +370,7 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
     dp = _round_to(xp.matmul(do, vv.transpose(0, 1, 3, 2)), low)
     delta = (p * dp).sum(axis=-1, keepdims=True)
     ds = _round_to(p * (dp - delta), low)
-    ds = _round_to(ds * numpy.float32(scale), low)
+    ds = _round_to(ds * (numpy.float32(scale) if dlogits is None else dlogits), low)
     dq = _round_to(xp.matmul(ds, kk), low)
     dk = _round_to(xp.matmul(ds.transpose(0, 1, 3, 2), qs), low)
     return _merge_heads(dq, sq), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3)

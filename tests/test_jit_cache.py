@@ -14,8 +14,8 @@ from cuflash import _jit
 ARCH = "sm_80"
 
 
-def _variant(src="fa1/bwd_aux.cu", kernel="fa1_bwd_convert_dq", d=64):
-    return _jit.Variant("fa1", src, kernel, (("CUFLASH_HEADDIM", d), ("CUFLASH_DTYPE", 0)))
+def _variant(src="common/bwd_aux.cu", kernel="bwd_convert_dq", d=64):
+    return _jit.Variant("bwd_aux", src, kernel, (("CUFLASH_HEADDIM", d), ("CUFLASH_DTYPE", 0)))
 
 
 @pytest.fixture

@@ -19,24 +19,22 @@ struct Fa1FwdParams {
     float scale;                    // softmax scale
 };
 
+// The passes before and after the main backward kernel (D = rowsum(dO o O), dQ conversion) are
+// common/bwd_aux.cu.
 struct Fa1BwdParams {
     const u16* q;
     const u16* k;
     const u16* v;
-    const u16* o;
     const u16* dout;
     float* dq_accum;  // (batch, heads, seqlen_q, headdim) fp32, summed by atomics, scaled on conversion
-    u16* dq;
     u16* dk;
     u16* dv;
-    const float* lse;  // (batch, heads, seqlen_q)
-    float* dsum;       // D = rowsum(dO * O), (batch, heads, seqlen_q)
+    const float* lse;   // (batch, heads, seqlen_q)
+    const float* dsum;  // D = rowsum(dO * O), (batch, heads, seqlen_q)
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
-    i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
-    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
     int batch, heads, kv_heads, seqlen_q, seqlen_k;

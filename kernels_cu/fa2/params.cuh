@@ -22,3 +22,30 @@ struct Fa2FwdParams {
     float scale_log2;   // scale * log2(e), or softcap * log2(e) with softcap
     float softcap_pre;  // scale / softcap (used only by softcap variants)
 };
+
+// The passes before and after the main backward kernel (D = rowsum(dO o O), dQ conversion) are
+// common/bwd_aux.cu.
+struct Fa2BwdParams {
+    const u16* q;
+    const u16* k;
+    const u16* v;
+    const u16* dout;
+    float* dq_accum;  // (batch, heads, seqlen_q, headdim) fp32, zeroed by bwd_preprocess
+    u16* dk;
+    u16* dv;
+    const float* lse;           // (batch, heads, seqlen_q), natural log
+    const float* dsum;          // D = rowsum(dO * O), (batch, heads, seqlen_q)
+    const float* alibi_slopes;  // (heads,) when the variant has ALiBi
+    int* dq_semaphore;          // (batch, heads, Q blocks), zeroed, for the deterministic variant
+    i64 q_batch_stride, q_row_stride, q_head_stride;
+    i64 k_batch_stride, k_row_stride, k_head_stride;
+    i64 v_batch_stride, v_row_stride, v_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;
+    int window_left, window_right;
+    float scale_log2;   // as in the forward
+    float softcap_pre;  // as in the forward
+    float scale;        // softmax scale: dK = scale * dS^T Q (dQ gets it on conversion)
+};

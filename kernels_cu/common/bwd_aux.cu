@@ -1,9 +1,21 @@
-// The two small passes around the FA1 backward, one warp per (batch, head, row):
-//   fa1_bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator;
-//   fa1_bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
+// The two small passes around every attention backward, one warp per (batch, head, row):
+//   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator;
+//   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
 // Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
 #include "common/types.cuh"
-#include "fa1/params.cuh"
+
+struct BwdAuxParams {
+    const u16* o;
+    const u16* dout;
+    float* dq_accum;  // (batch, heads, seqlen_q, headdim) fp32
+    u16* dq;
+    float* dsum;  // (batch, heads, seqlen_q) fp32
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 do_batch_stride, do_row_stride, do_head_stride;
+    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
+    int batch, heads, seqlen_q;
+    float scale;  // dQ = scale * dq_accum
+};
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr int WARPS = CUFLASH_THREADS / 32;
@@ -11,7 +23,7 @@ constexpr int CHUNKS = D / 8;  // 8 elements (16 bytes) per lane and step
 static_assert(CHUNKS <= 32, "one warp covers a row in one step");
 
 // Row `r` of the flattened (batch, heads, seqlen_q) index space, or -1 past the end.
-__device__ __forceinline__ i64 warp_row(const Fa1BwdParams& p, int& b, int& h, int& i) {
+__device__ __forceinline__ i64 warp_row(const BwdAuxParams& p, int& b, int& h, int& i) {
     const i64 r = i64(blockIdx.x) * WARPS + threadIdx.x / 32;
     if (r >= i64(p.batch) * p.heads * p.seqlen_q) return -1;
     i = int(r % p.seqlen_q);
@@ -20,7 +32,7 @@ __device__ __forceinline__ i64 warp_row(const Fa1BwdParams& p, int& b, int& h, i
     return r;
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) fa1_bwd_preprocess(const Fa1BwdParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(const BwdAuxParams p) {
     int b, h, i;
     const i64 r = warp_row(p, b, h, i);
     if (r < 0) return;
@@ -46,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) fa1_bwd_preprocess
     if (lane == 0) p.dsum[r] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) fa1_bwd_convert_dq(const Fa1BwdParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(const BwdAuxParams p) {
     int b, h, i;
     const i64 r = warp_row(p, b, h, i);
     const int lane = threadIdx.x % 32;

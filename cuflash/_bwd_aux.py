@@ -1,0 +1,55 @@
+"""The passes around every attention backward (kernels_cu/common/bwd_aux.cu): D = rowsum(dO o O) with
+the dQ accumulator zeroed, and the final fp32 -> fp16/bf16 conversion of dQ."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import Variant, get_function
+from ._params import DTYPE_CODES, fill_strides, pointer_fields, stride_fields
+
+FAMILY = "bwd_aux"
+KERNELS = ("bwd_preprocess", "bwd_convert_dq")
+THREADS = 128  # 4 warps, one row each
+
+# Mirror of BwdAuxParams (same order, C alignment).
+PARAMS = np.dtype(
+    pointer_fields("o", "dout", "dq_accum", "dq", "dsum") + stride_fields("o", "do", "dq")
+    + [("batch", np.int32), ("heads", np.int32), ("seqlen_q", np.int32), ("scale", np.float32)],
+    align=True,
+)
+
+
+def variant(kernel: str, headdim: int, dtype: str) -> Variant:
+    return Variant(FAMILY, "common/bwd_aux.cu", kernel,
+                   (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])), threads=THREADS)
+
+
+def all_variants(headdims) -> list[Variant]:
+    return [variant(k, d, dtype) for dtype in DTYPE_CODES for d in headdims for k in KERNELS]
+
+
+def _params(out, dout, dq, dq_accum, dsum, dims, scale):
+    p = np.zeros(1, PARAMS)
+    for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
+        p[name] = a.data.ptr
+    for prefix, a in (("o", out), ("do", dout), ("dq", dq)):
+        fill_strides(p, prefix, a)
+    p["batch"], p["heads"], p["seqlen_q"], p["scale"] = dims.batch, dims.heads, dims.seqlen_q, scale
+    return p
+
+
+def _launch(kernel, p, dims, stream):
+    v = variant(kernel, dims.headdim, dims.dtype)
+    rows = dims.batch * dims.heads * dims.seqlen_q
+    rows_per_block = THREADS // 32
+    get_function(v)(((rows + rows_per_block - 1) // rows_per_block,), (THREADS,), (p,), stream=stream)
+
+
+def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream) -> None:
+    """dsum = rowsum(dout * out); dq_accum = 0."""
+    _launch("bwd_preprocess", _params(out, dout, dq, dq_accum, dsum, dims, scale), dims, stream)
+
+
+def convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream) -> None:
+    """dq = scale * dq_accum in dq's dtype and strides."""
+    _launch("bwd_convert_dq", _params(out, dout, dq, dq_accum, dsum, dims, scale), dims, stream)

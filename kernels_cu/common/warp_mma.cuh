@@ -1,0 +1,44 @@
+// A warp's tile of a matrix product on mma.sync, operands read from shared-memory tiles.
+//
+// acc[mi][ni] are m16n8 fp32 fragments covering rows [m0, m0 + 16*MI) and columns [n0, n0 + 8*NI) of
+// C += A B, summed over K_DEPTH values of the inner index starting at k0 (A's) and bk0 (B's).
+// Storage of each operand is either "by rows" (A stored [m][k], B stored [n][k]: the inner index is
+// contiguous) or "k-major" (A stored [k][m], B stored [k][n]); k-major operands are read with
+// ldmatrix.trans, so a transposed product (P^T dO, dS^T Q) needs no transposed copy.
+#pragma once
+#include "ptx.cuh"
+#include "tile.cuh"
+
+template <int MI, int NI, int K_DEPTH, bool A_KMAJOR, bool B_KMAJOR, typename T, class TileA, class TileB>
+__device__ __forceinline__ void warp_mma(float (&acc)[MI][NI][4], TileA& a_tile, int m0, int k0, TileB& b_tile, int n0,
+                                         int bk0, int lane) {
+    static_assert(NI % 2 == 0 && K_DEPTH % 16 == 0, "B is loaded 16 columns x 16 deep at a time");
+#pragma unroll
+    for (int kk = 0; kk < K_DEPTH; kk += 16) {
+        u32 a[MI][4];
+#pragma unroll
+        for (int mi = 0; mi < MI; ++mi) {
+            if constexpr (A_KMAJOR) ldmatrix_x4_trans(a[mi], b_operand_from_rows(a_tile, k0 + kk, m0 + 16 * mi, lane));
+            else ldmatrix_x4(a[mi], a_operand(a_tile, m0 + 16 * mi, k0 + kk, lane));
+        }
+#pragma unroll
+        for (int ni = 0; ni < NI; ni += 2) {
+            u32 b[4];
+            if constexpr (B_KMAJOR) ldmatrix_x4_trans(b, b_operand_trans(b_tile, bk0 + kk, n0 + 8 * ni, lane));
+            else ldmatrix_x4(b, b_operand_from_rows(b_tile, n0 + 8 * ni, bk0 + kk, lane));
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                mma_16816<T>(acc[mi][ni], a[mi], {b[0], b[1]});
+                mma_16816<T>(acc[mi][ni + 1], a[mi], {b[2], b[3]});
+            }
+        }
+    }
+}
+
+template <int MI, int NI>
+__device__ __forceinline__ void zero(float (&acc)[MI][NI][4]) {
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < NI; ++ni) acc[mi][ni][0] = acc[mi][ni][1] = acc[mi][ni][2] = acc[mi][ni][3] = 0.f;
+}

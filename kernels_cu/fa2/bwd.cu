@@ -1,0 +1,237 @@
+// FA2-style attention backward (FlashAttention-2's work split on mma.sync tensor cores).
+//
+// One thread block owns BLOCK_N keys of one (batch, KV head); dK and dV for them stay in registers.
+// It walks every (query head of the GQA group, Q block) whose rows can see these keys, with the next
+// Q / dO tiles streaming in by cp.async while the current ones are used, and per Q block i:
+//     S  = Q_i K^T        dP = dO_i V^T                       (warps tile BLOCK_M x BLOCK_N)
+//     P  = exp2(S c - lse_i log2 e),  dS = P o (dP - D_i)     (registers -> shared memory, 16-bit)
+//     dV += P^T dO_i      dK += dS^T Q_i                      (warps tile BLOCK_N x d)
+//     dQ_i += dS K                                            (warps tile BLOCK_M x d; fp32 atomics)
+// Each product gets its own warp layout, so no warp recomputes another's S or dP; P and dS change
+// layout through shared memory, and the transposed products read them with ldmatrix.trans.
+// D = rowsum(dO o O) and the dQ conversion are common/bwd_aux.cu. Softcap multiplies dS by the
+// derivative of tanh; ALiBi only shifts the logits. DETERMINISTIC orders the dQ additions of the
+// K blocks that touch a Q block by a per-(head, Q block) counter, so the sums are bit-identical run to
+// run.
+//
+// Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
+// CUFLASH_WARPS, CUFLASH_QSTAGES (1/2), CUFLASH_WARPS_S_M (warp rows of the S/dP layout; the rest
+// split the columns), CUFLASH_WARPS_KV_N (of the dK/dV layout), CUFLASH_WARPS_Q_M (of the dQ layout),
+// CUFLASH_S_SPLIT / CUFLASH_Q_SPLIT (each warp computes its S/dP tile, its dQ tile, in that many column
+// chunks: fewer live registers next to dK and dV, at the cost of re-reading the A operand),
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP, CUFLASH_ALIBI, CUFLASH_DETERMINISTIC.
+#include "common/mask.cuh"
+#include "common/ptx.cuh"
+#include "common/tile.cuh"
+#include "common/warp_mma.cuh"
+#include "fa2/params.cuh"
+
+constexpr int D = CUFLASH_HEADDIM;
+constexpr int BM = CUFLASH_BLOCK_M;
+constexpr int BN = CUFLASH_BLOCK_N;
+constexpr int WARPS = CUFLASH_WARPS;
+constexpr int THREADS = WARPS * 32;
+constexpr int QSTAGES = CUFLASH_QSTAGES;
+constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr bool ALIBI = CUFLASH_ALIBI;
+constexpr bool DETERMINISTIC = CUFLASH_DETERMINISTIC;
+static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
+
+// Warp layouts: (rows x columns) of warps over each product's output, and each warp's fragments.
+constexpr int WS_M = CUFLASH_WARPS_S_M, WS_N = WARPS / WS_M;       // S, dP: BM x BN
+constexpr int WKV_N = CUFLASH_WARPS_KV_N, WKV_D = WARPS / WKV_N;   // dK, dV: BN x D
+constexpr int WQ_M = CUFLASH_WARPS_Q_M, WQ_D = WARPS / WQ_M;       // dQ: BM x D
+constexpr int S_SPLIT = CUFLASH_S_SPLIT, Q_SPLIT = CUFLASH_Q_SPLIT;
+constexpr int S_ROWS = BM / WS_M, S_COLS = BN / WS_N / S_SPLIT;  // one chunk of a warp's S / dP tile
+constexpr int KV_ROWS = BN / WKV_N, KV_COLS = D / WKV_D;
+constexpr int Q_ROWS = BM / WQ_M, Q_COLS = D / WQ_D / Q_SPLIT;   // one chunk of a warp's dQ tile
+static_assert(S_ROWS % 16 == 0 && S_COLS % 16 == 0 && KV_ROWS % 16 == 0 && KV_COLS % 16 == 0 &&
+                  Q_ROWS % 16 == 0 && Q_COLS % 16 == 0,
+              "every warp tile is made of whole 16x16 blocks");
+
+struct Smem {
+    FastSmemTile<BN, D> k;
+    FastSmemTile<BN, D> v;
+    FastSmemTile<BM, D> q[QSTAGES];
+    FastSmemTile<BM, D> dout[QSTAGES];
+    FastSmemTile<BM, BN> p;   // P (rows = queries)
+    FastSmemTile<BM, BN> ds;  // dS (rows = queries)
+};
+
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdParams p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int group = p.heads / p.kv_heads;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    const int key0 = n_block * BN;
+
+    // This warp's place in each layout.
+    const int s_row0 = (warp / WS_N) * S_ROWS, s_col_base = (warp % WS_N) * S_COLS * S_SPLIT;
+    const int kv_row0 = (warp / WKV_D) * KV_ROWS, kv_col0 = (warp % WKV_D) * KV_COLS;
+    const int q_row0 = (warp / WQ_D) * Q_ROWS, q_col_base = (warp % WQ_D) * Q_COLS * Q_SPLIT;
+
+    int m_lo, m_hi;
+    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+    const int m_count = m_hi - m_lo, items = group * m_count;  // (query head, Q block) pairs, head-major
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+
+    float dk[KV_ROWS / 16][KV_COLS / 8][4], dv[KV_ROWS / 16][KV_COLS / 8][4];
+    zero(dk);
+    zero(dv);
+
+    auto load_item = [&](int item, int stage) {
+        const int hq = kv_head * group + item / m_count, row0 = (m_lo + item % m_count) * BM;
+        load_tile_async<THREADS>(sm.q[stage], p.q + batch * p.q_batch_stride + hq * p.q_head_stride + row0 * p.q_row_stride,
+                                 p.q_row_stride, p.seqlen_q - row0);
+        load_tile_async<THREADS>(sm.dout[stage],
+                                 p.dout + batch * p.do_batch_stride + hq * p.do_head_stride + row0 * p.do_row_stride,
+                                 p.do_row_stride, p.seqlen_q - row0);
+    };
+    if (items > 0) {
+        load_tile_async<THREADS>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + key0 * p.k_row_stride,
+                                 p.k_row_stride, p.seqlen_k - key0);
+        load_tile_async<THREADS>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + key0 * p.v_row_stride,
+                                 p.v_row_stride, p.seqlen_k - key0);
+        if constexpr (QSTAGES == 2) load_item(0, 0);
+        cp_async_commit();
+    }
+
+    for (int item = 0; item < items; ++item) {
+        const int stage = QSTAGES == 2 ? item & 1 : 0;
+        const int hq = kv_head * group + item / m_count, m = m_lo + item % m_count, row0 = m * BM;
+        const i64 row_base = (i64(batch) * p.heads + hq) * p.seqlen_q;  // lse / dsum / dq_accum rows
+        float alibi = 0.f;
+        if constexpr (ALIBI) alibi = p.alibi_slopes[hq] * 1.44269504088896341f / p.scale_log2;
+
+        if constexpr (QSTAGES == 1) {
+            __syncthreads();  // every warp is done with the previous Q block's tiles
+            load_item(item, 0);
+            cp_async_commit();
+        }
+        cp_async_wait<0>();  // K, V and this Q block's Q / dO have landed
+        __syncthreads();     // ... for every thread; and P / dS of the previous block are consumed
+        if constexpr (QSTAGES == 2) {
+            if (item + 1 < items) load_item(item + 1, stage ^ 1);
+            cp_async_commit();
+        }
+
+        // This thread's rows of the S layout: lse (in log2 units) and D, +inf / 0 past the end so P = 0.
+        float lse2[S_ROWS / 16][2], dsum[S_ROWS / 16][2];
+#pragma unroll
+        for (int mi = 0; mi < S_ROWS / 16; ++mi)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = row0 + s_row0 + mi * 16 + g + 8 * r;
+                const float l = row < p.seqlen_q ? p.lse[row_base + row] : neg_inf();
+                lse2[mi][r] = l == neg_inf() ? -neg_inf() : l * 1.44269504088896341f;
+                dsum[mi][r] = row < p.seqlen_q ? p.dsum[row_base + row] : 0.f;
+            }
+
+        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m, n_block);
+#pragma unroll
+        for (int chunk = 0; chunk < S_SPLIT; ++chunk) {
+            const int s_col0 = s_col_base + chunk * S_COLS;
+            float s[S_ROWS / 16][S_COLS / 8][4], dp[S_ROWS / 16][S_COLS / 8][4];
+            zero(s);
+            zero(dp);
+            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, sm.q[stage], s_row0, 0, sm.k, s_col0, 0, lane);
+            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, sm.dout[stage], s_row0, 0, sm.v, s_col0, 0, lane);
+#pragma unroll
+            for (int mi = 0; mi < S_ROWS / 16; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < S_COLS / 8; ++ni)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {  // elements {0,1} (row g) and {2,3} (row g + 8)
+                        const int r_in = s_row0 + mi * 16 + g + 8 * half, c_in = s_col0 + ni * 8 + 2 * t;
+                        float pv[2], dsv[2];
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int row = row0 + r_in, col = key0 + c_in + e;
+                            float x = s[mi][ni][2 * half + e], dtanh = 1.f;
+                            if constexpr (SOFTCAP) {
+                                x = tanh_approx(x * p.softcap_pre);
+                                dtanh = 1.f - x * x;
+                            }
+                            if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
+                            const bool vis = !needs_mask || mask.visible(row, col);
+                            pv[e] = vis ? fast_exp2(x * p.scale_log2 - lse2[mi][half]) : 0.f;
+                            dsv[e] = pv[e] * (dp[mi][ni][2 * half + e] - dsum[mi][half]) * dtanh;
+                        }
+                        *reinterpret_cast<u32*>(sm.p.at(r_in, c_in)) = elem_t::pack2(pv[0], pv[1]);
+                        *reinterpret_cast<u32*>(sm.ds.at(r_in, c_in)) = elem_t::pack2(dsv[0], dsv[1]);
+                    }
+        }
+        __syncthreads();  // P and dS complete
+
+        // dV += P^T dO, dK += dS^T Q: A operands are the k-major (query-row) P / dS tiles.
+        warp_mma<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dv, sm.p, kv_row0, 0, sm.dout[stage], kv_col0, 0, lane);
+        warp_mma<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dk, sm.ds, kv_row0, 0, sm.q[stage], kv_col0, 0, lane);
+
+        int* semaphore = nullptr;
+        int turn = 0;
+        if constexpr (DETERMINISTIC) {
+            // The K blocks that touch Q block m are [lo, hi); block n adds its share (n - lo)-th.
+            int lo, hi;
+            mask.kv_block_range<BM, BN>(m, lo, hi);
+            turn = n_block - lo;
+            semaphore = p.dq_semaphore + (i64(batch) * p.heads + hq) * q_blocks + m;
+            if (threadIdx.x == 0)
+                while (ld_acquire(semaphore) != turn) {
+                }
+            __syncthreads();
+        }
+        // dQ_i += dS K (K stored [key][d] is k-major for this product), one column chunk at a time.
+#pragma unroll
+        for (int chunk = 0; chunk < Q_SPLIT; ++chunk) {
+            const int q_col0 = q_col_base + chunk * Q_COLS;
+            float dq[Q_ROWS / 16][Q_COLS / 8][4];
+            zero(dq);
+            warp_mma<Q_ROWS / 16, Q_COLS / 8, BN, false, true, elem_t>(dq, sm.ds, q_row0, 0, sm.k, q_col0, 0, lane);
+#pragma unroll
+            for (int mi = 0; mi < Q_ROWS / 16; ++mi)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = row0 + q_row0 + mi * 16 + g + 8 * r;
+                    if (row >= p.seqlen_q) continue;
+                    float* dst = p.dq_accum + (row_base + row) * D + q_col0 + 2 * t;
+#pragma unroll
+                    for (int ni = 0; ni < Q_COLS / 8; ++ni) {
+                        atomicAdd(dst + ni * 8, dq[mi][ni][2 * r]);
+                        atomicAdd(dst + ni * 8 + 1, dq[mi][ni][2 * r + 1]);
+                    }
+                }
+        }
+        if constexpr (DETERMINISTIC) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) st_release(semaphore, turn + 1);
+        }
+    }
+
+    // dK carries the softmax scale (dQ gets it on conversion); keys past the end are not written.
+#pragma unroll
+    for (int mi = 0; mi < KV_ROWS / 16; ++mi)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + kv_row0 + mi * 16 + g + 8 * r;
+            if (key >= p.seqlen_k) continue;
+            u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + key * p.dk_row_stride + kv_col0 + 2 * t;
+            u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + key * p.dv_row_stride + kv_col0 + 2 * t;
+#pragma unroll
+            for (int ni = 0; ni < KV_COLS / 8; ++ni) {
+                *reinterpret_cast<u32*>(dk_row + ni * 8) =
+                    elem_t::pack2(dk[mi][ni][2 * r] * p.scale, dk[mi][ni][2 * r + 1] * p.scale);
+                *reinterpret_cast<u32*>(dv_row + ni * 8) = elem_t::pack2(dv[mi][ni][2 * r], dv[mi][ni][2 * r + 1]);
+            }
+        }
+}
