@@ -11,6 +11,8 @@ Arrays are (batch, seqlen, heads, headdim), fp16 or bf16, CuPy arrays or anythin
 """
 __version__ = "0.1.0"
 
-from .api import IMPLS, available_impls, flash_attn_backward, flash_attn_func  # noqa: E402,F401
+from .api import (IMPLS, available_impls, flash_attn_backward, flash_attn_func,  # noqa: E402,F401
+                  flash_attn_varlen_backward, flash_attn_varlen_func)
 
-__all__ = ["flash_attn_func", "flash_attn_backward", "available_impls", "IMPLS", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_varlen_func", "flash_attn_varlen_backward",
+           "available_impls", "IMPLS", "__version__"]

@@ -24,9 +24,21 @@ def stride_fields(*prefixes: str) -> list[tuple[str, type]]:
 
 
 def fill_strides(params, prefix: str, a) -> None:
+    """Strides of a (batch, seqlen, heads, d) array, or of a packed (total, heads, d) variable-length
+    array (batch stride 0: the kernels find each entry's first row through cu_seqlens)."""
     item = a.dtype.itemsize
-    for axis, s in zip((0, 1, 2), ("batch", "row", "head")):
-        params[f"{prefix}_{s}_stride"] = a.strides[axis] // item
+    axes = (0, 1, 2) if a.ndim == 4 else (None, 0, 1)
+    for axis, s in zip(axes, ("batch", "row", "head")):
+        params[f"{prefix}_{s}_stride"] = 0 if axis is None else a.strides[axis] // item
+
+
+def fill_row_strides(params, dims: Dims, total_q: int | None) -> None:
+    """Layout of the per-row fp32 arrays (LSE, D, dQ accumulator rows): (batch, heads, seqlen_q), or
+    (heads, total_q) for variable-length batches (see kernels_cu/common/seqlen.cuh)."""
+    if total_q is None:
+        params["row_batch_stride"], params["row_head_stride"] = dims.heads * dims.seqlen_q, dims.seqlen_q
+    else:
+        params["row_batch_stride"], params["row_head_stride"] = 0, total_q
 
 
 def fill_dims(params, dims: Dims, window: tuple[int, int]) -> None:

@@ -30,21 +30,22 @@ def _shape_str(spec: Spec) -> str:
     return "(" + ", ".join(str(s) for s in spec.shape) + ")"
 
 
-def check_layout(spec: Spec) -> None:
-    """Rank 4 (batch, seqlen, heads, headdim), fp16/bf16, last dim contiguous, 16-byte aligned rows."""
-    if len(spec.shape) != 4:
-        raise ValueError(
-            f"{spec.name} must have 4 dimensions (batch, seqlen, heads, headdim); got shape {_shape_str(spec)}"
-        )
+def check_layout(spec: Spec, packed: bool = False) -> None:
+    """Rank 4 (batch, seqlen, heads, headdim) — or 3 (total_tokens, heads, headdim) when ``packed`` —
+    fp16/bf16, last dim contiguous, 16-byte aligned rows."""
+    rank, what = (3, "(total_tokens, heads, headdim)") if packed else (4, "(batch, seqlen, heads, headdim)")
+    if len(spec.shape) != rank:
+        raise ValueError(f"{spec.name} must have {rank} dimensions {what}; got shape {_shape_str(spec)}")
     if spec.dtype not in FLOAT16_DTYPES:
         raise TypeError(f"{spec.name} must be float16 or bfloat16; got {spec.dtype}")
-    if spec.shape[3] > 1 and spec.strides[3] != 1:
+    if spec.shape[-1] > 1 and spec.strides[-1] != 1:
         raise ValueError(
             f"{spec.name}'s last dimension (headdim) must be contiguous (stride 1); got strides "
             f"{spec.strides} in elements. Make it contiguous first (cupy.ascontiguousarray / .contiguous())."
         )
     item = 2
-    for axis, what in ((0, "batch"), (1, "seqlen"), (2, "heads")):
+    axes = ((0, "tokens"), (1, "heads")) if packed else ((0, "batch"), (1, "seqlen"), (2, "heads"))
+    for axis, what in axes:
         if spec.shape[axis] > 1 and (spec.strides[axis] * item) % _ALIGN_BYTES:
             raise ValueError(
                 f"{spec.name}'s {what} stride must be a multiple of 16 bytes (8 elements); got "
@@ -92,9 +93,9 @@ def check_qkv(q: Spec, k: Spec, v: Spec) -> Dims:
     return Dims(b, sq, sk, h, hk, d, q.dtype)
 
 
-def check_like(spec: Spec, ref: Spec) -> None:
+def check_like(spec: Spec, ref: Spec, packed: bool = False) -> None:
     """``spec`` (dout, out) must match ``ref`` (q) in shape, dtype and device."""
-    check_layout(spec)
+    check_layout(spec, packed)
     if spec.shape != ref.shape:
         raise ValueError(f"{spec.name} must have the shape of {ref.name} {_shape_str(ref)}; got {_shape_str(spec)}")
     if spec.dtype != ref.dtype:
@@ -129,7 +130,7 @@ def softmax_scale_or_default(softmax_scale, headdim: int) -> float:
 
 
 def window_bounds(window_size, causal: bool, dims: Dims) -> tuple[int, int]:
-    """(left, right) for the kernels, -1 ("unbounded") replaced by a number past every key."""
+    """(left, right) for the kernels, -1 ("unbounded") replaced by a bound that reaches every key."""
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
@@ -141,9 +142,11 @@ def window_bounds(window_size, causal: bool, dims: Dims) -> tuple[int, int]:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got {tuple(window_size)}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    unbounded = dims.seqlen_q + dims.seqlen_k
-    left = unbounded if left < 0 else min(left, unbounded)
-    right = unbounded if right < 0 else min(right, unbounded)
+    # A window wider than the sequence is unbounded: left = seqlen_k already reaches key 0 from every row
+    # and right = seqlen_q the last key. Clamping there keeps row + diag + right < 2^31 in the kernels'
+    # int32 arithmetic for any seqlen below 2^30.
+    left = dims.seqlen_k if left < 0 else min(left, dims.seqlen_k)
+    right = dims.seqlen_q if right < 0 else min(right, dims.seqlen_q)
     if causal:
         right = 0
     return left, right
@@ -165,3 +168,54 @@ def check_alibi_slopes(spec: Spec, dims: Dims, q: Spec) -> None:
     if spec.strides != (1,):
         raise ValueError(f"alibi_slopes must be contiguous; got stride {spec.strides[0]}")
     check_same_device([q, spec])
+
+
+def check_varlen(q: Spec, k: Spec, v: Spec, cu_q: Spec, cu_k: Spec, max_seqlen_q, max_seqlen_k) -> Dims:
+    """Packed variable-length inputs: q (total_q, heads, d), k/v (total_k, kv_heads, d), cu_seqlens
+    int32 (batch + 1,). Returns Dims with the batch size and the maximum lengths."""
+    for s in (q, k, v):
+        check_layout(s, packed=True)
+    check_same_device([q, k, v, cu_q, cu_k])
+    for s in (k, v):
+        if s.dtype != q.dtype:
+            raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
+    _, h, d = q.shape
+    _, hk, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k and v must have q's head dim {d}; got {dk}")
+    if hk < 1 or h % hk:
+        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of KV heads in k/v ({hk})")
+    for cu in (cu_q, cu_k):
+        if cu.dtype != "int32":
+            raise TypeError(f"{cu.name} must be int32; got {cu.dtype}")
+        if len(cu.shape) != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{cu.name} must be a 1-D array of batch + 1 >= 2 offsets; got shape {_shape_str(cu)}")
+        if cu.strides != (1,):
+            raise ValueError(f"{cu.name} must be contiguous; got stride {cu.strides[0]}")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+                         f"{cu_q.shape[0]} and {cu_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0; got {value!r}")
+    return Dims(cu_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), h, hk, d, q.dtype)
+
+
+def check_cu_seqlens_values(name: str, cu, total: int, max_seqlen: int, max_name: str) -> None:
+    """Checks that need the offsets themselves (a host copy): start at 0, never decrease, stay within
+    the packed array, and no sequence is longer than the stated maximum."""
+    import numpy as np
+
+    cu = np.asarray(cu, dtype=np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {int(cu[0])}")
+    lengths = np.diff(cu)
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
+        raise ValueError(f"{name} must be non-decreasing; {name}[{i + 1}] = {int(cu[i + 1])} < {name}[{i}] = {int(cu[i])}")
+    if cu[-1] > total:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} exceeds the {total} packed rows of the matching array")
+    if lengths.size and lengths.max() > max_seqlen:
+        raise ValueError(f"{max_name} = {max_seqlen} but {name} holds a sequence of length {int(lengths.max())}")

@@ -77,8 +77,11 @@ def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward",
     raise ValueError(f"no cuflash implementation can run this {direction} call: {why}")
 
 
-def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, deterministic: bool = False) -> set[str]:
+def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, deterministic: bool = False,
+              varlen: bool = False) -> set[str]:
     feats = {"gqa"}
+    if varlen:
+        feats.add("varlen")
     if deterministic:
         feats.add("deterministic")
     if causal:
@@ -179,5 +182,113 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 
+_VARLEN_DOC = """
+    Variable-length batches are packed: q is (total_q, heads, headdim) holding the sequences one
+    after another, k and v (total_k, kv_heads, headdim); ``cu_seqlens_q`` / ``cu_seqlens_k`` are int32
+    (batch + 1,) offsets (sequence b is rows cu[b] .. cu[b + 1] - 1; empty sequences allowed) and
+    ``max_seqlen_q`` / ``max_seqlen_k`` the longest lengths. The LSE is (heads, total_q). Masks apply
+    per sequence (causal aligned bottom-right within each). ``validate=True`` copies the offsets to
+    the host to check them (non-decreasing, within the arrays, within the maxima) — a synchronisation;
+    pass ``validate=False`` inside CUDA graphs or hot loops once the inputs are known good.
+"""
+
+
+def _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate):
+    qs, ks, vs, cqs, cks = call.specs[:5]
+    dims = _validate.check_varlen(qs, ks, vs, cqs, cks, max_seqlen_q, max_seqlen_k)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool; got {type(validate).__name__}")
+    if validate:
+        cu_q, cu_k = (a.get() for a in call.arrays[3:5])
+        _validate.check_cu_seqlens_values("cu_seqlens_q", cu_q, qs.shape[0], dims.seqlen_q, "max_seqlen_q")
+        _validate.check_cu_seqlens_values("cu_seqlens_k", cu_k, ks.shape[0], dims.seqlen_k, "max_seqlen_k")
+    return dims
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, impl="auto", validate=True):
+    """``flash_attn_func`` over a batch of sequences of different lengths, packed without padding.
+
+    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``.
+    """
+    import cupy
+
+    arrays = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)]
+    if alibi_slopes is not None:
+        arrays.append(("alibi_slopes", alibi_slopes))
+    with Call(arrays) as call:
+        dims = _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+        window = _validate.window_bounds(window_size, causal, dims)
+        softcap = _validate.softcap_value(softcap)
+        if alibi_slopes is not None:
+            _validate.check_alibi_slopes(call.specs[5], dims, call.specs[0])
+        family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
+                            _features(causal, window_size, softcap, alibi_slopes, varlen=True))
+        qa, ka, va, cu_q, cu_k = call.arrays[:5]
+        # Rows after cu_seqlens_q[-1] belong to no sequence: they stay 0 with LSE -inf.
+        out = cupy.zeros(qa.shape, dtype=qa.dtype)
+        lse = cupy.full((dims.heads, qa.shape[0]), -cupy.inf, dtype=cupy.float32)
+        if dims.batch and dims.seqlen_q:
+            extra = {"cu_seqlens": (cu_q, cu_k)}
+            if softcap:
+                extra["softcap"] = softcap
+            if alibi_slopes is not None:
+                extra["alibi_slopes"] = call.arrays[5]
+            family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
+        return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, impl="auto", validate=True):
+    """Gradients (dq, dk, dv) of ``flash_attn_varlen_func``; arguments as there and as in
+    ``flash_attn_backward``."""
+    import cupy
+
+    arrays = [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+              ("out", out), ("dout", dout), ("lse", lse)]
+    if alibi_slopes is not None:
+        arrays.append(("alibi_slopes", alibi_slopes))
+    with Call(arrays) as call:
+        dims = _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+        qs, os_, dos, lses = call.specs[0], call.specs[5], call.specs[6], call.specs[7]
+        _validate.check_like(os_, qs, packed=True)
+        _validate.check_like(dos, qs, packed=True)
+        want = (dims.heads, qs.shape[0])
+        if lses.shape != want or lses.dtype != "float32" or lses.strides != (qs.shape[0], 1):
+            raise ValueError(f"lse must be a contiguous float32 array of shape (heads, total_q) = {want}; got "
+                             f"{lses.dtype} {lses.shape} with strides {lses.strides}")
+        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+        window = _validate.window_bounds(window_size, causal, dims)
+        softcap = _validate.softcap_value(softcap)
+        if alibi_slopes is not None:
+            _validate.check_alibi_slopes(call.specs[8], dims, qs)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+        family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
+                            _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=True))
+        qa, ka, va, cu_q, cu_k, oa, doa, lsea = call.arrays[:8]
+        dq = cupy.zeros_like(qa)  # rows past cu_q[-1] belong to no sequence: 0
+        dk = cupy.zeros_like(ka)
+        dv = cupy.zeros_like(va)
+        if dims.batch and dims.seqlen_q and dims.seqlen_k:
+            dq_accum = cupy.empty((dims.heads, qa.shape[0], dims.headdim), dtype=cupy.float32)
+            dsum = cupy.empty((dims.heads, qa.shape[0]), dtype=cupy.float32)
+            extra = {"cu_seqlens": (cu_q, cu_k)}
+            if softcap:
+                extra["softcap"] = softcap
+            if alibi_slopes is not None:
+                extra["alibi_slopes"] = call.arrays[8]
+            if deterministic:
+                extra["deterministic"] = True
+            family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
+                            **extra)
+        return call.wrap(dq), call.wrap(dk), call.wrap(dv)
+
+
 flash_attn_func.__doc__ += _MASK_DOC
 flash_attn_backward.__doc__ += _MASK_DOC
+flash_attn_varlen_func.__doc__ += _MASK_DOC + _VARLEN_DOC
+flash_attn_varlen_backward.__doc__ += _VARLEN_DOC

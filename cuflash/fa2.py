@@ -5,32 +5,38 @@ Forward and backward (dQ by fp32 atomics, or in a fixed order with ``determinist
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from . import _bwd_aux
 from ._jit import Variant, get_function
-from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_strides, pointer_fields, smem_tile_bytes, stride_fields
+from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, pointer_fields,
+                      smem_tile_bytes, stride_fields)
 from ._validate import Dims
 from .heuristics import FA2_BWD_TILES, FA2_TILES
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
 MIN_CC = (8, 0)
-FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi"})
-BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "deterministic"})
+FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen"})
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen", "deterministic"})
 
 # Mirror of Fa2FwdParams in kernels_cu/fa2/params.cuh (same order, C alignment).
 FWD_PARAMS = np.dtype(
-    pointer_fields("q", "k", "v", "o", "lse", "alibi_slopes") + stride_fields("q", "k", "v", "o") + DIMS_FIELDS
+    pointer_fields("q", "k", "v", "o", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
+    + stride_fields("q", "k", "v", "o") + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
+    + DIMS_FIELDS
     + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
     align=True,
 )
 
 BWD_PARAMS = np.dtype(
-    pointer_fields("q", "k", "v", "dout", "dq_accum", "dk", "dv", "lse", "dsum", "alibi_slopes", "dq_semaphore")
-    + stride_fields("q", "k", "v", "do", "dk", "dv") + DIMS_FIELDS
+    pointer_fields("q", "k", "v", "dout", "dq_accum", "dk", "dv", "lse", "dsum", "alibi_slopes", "dq_semaphore",
+                   "cu_seqlens_q", "cu_seqlens_k")
+    + stride_fields("q", "k", "v", "do", "dk", "dv") + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
+    + DIMS_FIELDS
     + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)],
     align=True,
 )
@@ -94,19 +100,28 @@ def _scales(scale: float, softcap: float) -> tuple[float, float]:
     return scale * LOG2E, 0.0
 
 
-def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, *, softcap: float = 0.0,
-            alibi_slopes=None) -> None:
-    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q).
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
 
-    ``alibi_slopes``: a contiguous float32 array of shape (heads,) or None.
+
+def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, *, softcap: float = 0.0,
+            alibi_slopes=None, cu_seqlens=None) -> None:
+    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` ((batch, heads, seqlen_q), or
+    (heads, total_q) for variable length).
+
+    ``alibi_slopes``: a contiguous float32 array of shape (heads,) or None. ``cu_seqlens``: None, or
+    (cu_seqlens_q, cu_seqlens_k) int32 arrays for packed variable-length inputs, with ``dims`` carrying
+    the maximum lengths.
     """
     variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None)
+    cu_q, cu_k = cu_seqlens or (None, None)
     p = np.zeros(1, FWD_PARAMS)
-    for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
-        p[name] = a.data.ptr
-    p["alibi_slopes"] = 0 if alibi_slopes is None else alibi_slopes.data.ptr
+    for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("alibi_slopes", alibi_slopes),
+                    ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        p[name] = _ptr(a)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out)):
         fill_strides(p, name, a)
+    fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
     block_m = FA2_TILES[dims.headdim].block_m
@@ -115,14 +130,17 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream, *,
-             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False) -> None:
-    """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch.
+             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, cu_seqlens=None) -> None:
+    """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch
+    with lse's row layout (times headdim for dq_accum).
 
     ``deterministic``: dQ contributions are added in a fixed order (bit-identical results run to run).
+    ``cu_seqlens``: as in ``forward``.
     """
     import cupy
 
-    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+    cu_q, cu_k = cu_seqlens or (None, None)
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 
     t = FA2_BWD_TILES[dims.headdim]
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, deterministic)
@@ -130,15 +148,24 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None
     p = np.zeros(1, BWD_PARAMS)
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "dq_accum": dq_accum, "dk": dk, "dv": dv, "lse": lse,
-              "dsum": dsum, "alibi_slopes": alibi_slopes, "dq_semaphore": semaphore}
+              "dsum": dsum, "alibi_slopes": alibi_slopes, "dq_semaphore": semaphore, "cu_seqlens_q": cu_q,
+              "cu_seqlens_k": cu_k}
     for name, a in arrays.items():
-        p[name] = 0 if a is None else a.data.ptr
+        p[name] = _ptr(a)
     for prefix, a in (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv)):
         fill_strides(p, prefix, a)
+    fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
     p["scale"] = scale
     grid = ((dims.seqlen_k + t.block_n - 1) // t.block_n, dims.kv_heads, dims.batch)
     get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
 
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
+
+
+def _aux_dims(dims: Dims, q, cu_q) -> Dims:
+    """The row passes see a packed variable-length batch as one sequence of total_q rows."""
+    if cu_q is None:
+        return dims
+    return dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0])

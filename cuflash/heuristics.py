@@ -79,7 +79,7 @@ FA2_BWD_TILES = {
     64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2, s_split=2),
     96: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=2),
     128: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
-    192: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
+    192: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, q_split=2),
     256: Fa2BwdTiles(64, 32, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=2, q_split=2),
 }
 

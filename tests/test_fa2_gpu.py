@@ -171,3 +171,80 @@ def test_auto_backward_deterministic_picks_fa2():
     b = cuflash.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, impl="fa2")
     for x, y in zip(a, b):
         assert bool((x.view("uint16") == y.view("uint16")).all())
+
+
+# --- variable-length batches ---------------------------------------------------------------------------
+
+def _varlen_batch(rng, lens_q, lens_k, h, hkv, d, dtype="bfloat16", extra_rows=3):
+    """Packed inputs with a few unused rows at the end (they belong to no sequence)."""
+    import cupy
+
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+
+    def rand(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+    q = rand(int(cu_q[-1]) + extra_rows, h, d)
+    k = rand(int(cu_k[-1]) + extra_rows, hkv, d)
+    v = rand(int(cu_k[-1]) + extra_rows, hkv, d)
+    return q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), cu_q, cu_k
+
+
+VARLEN_CASES = [
+    ([113, 0, 1, 239, 64], [239, 5, 1, 113, 64]),  # empty and length-1 sequences, Sq != Sk both ways
+    ([300, 7, 1024], [300, 1, 1024]),
+    ([1, 1, 1], [1000, 0, 77]),  # empty K: rows see nothing (out 0, lse -inf)
+]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", VARLEN_CASES)
+def test_varlen_forward_backward(d, causal, lens):
+    import cupy
+
+    rng = np.random.default_rng()
+    lens_q, lens_k = lens
+    q, k, v, cu_q, cu_k, hq, hk = _varlen_batch(rng, lens_q, lens_k, 6, 2, d)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                              return_lse=True, impl="fa2")
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
+    dq, dk, dv = cuflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                    causal=causal, impl="fa2")
+    for b in range(len(lens_q)):
+        qs, qe, ks, ke = int(hq[b]), int(hq[b + 1]), int(hk[b]), int(hk[b + 1])
+        if qe == qs:
+            continue
+        sl = lambda x, s, e: x[None, s:e]  # noqa: E731  (one sequence as a batch of 1)
+        if ke == ks:
+            assert float(abs(out[qs:qe].astype("float32")).max()) == 0.0
+            assert bool((lse[:, qs:qe] == -np.inf).all())
+            continue
+        qb, kb, vb, dob = sl(q, qs, qe), sl(k, ks, ke), sl(v, ks, ke), sl(dout, qs, qe)
+        o_ref, lse_ref = ref.attention_ref(qb, kb, vb, causal=causal)
+        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, causal=causal)
+        ref.check_close(f"out[{b}]", out[None, qs:qe], o_ref, o_low)
+        ref.check_close(f"lse[{b}]", lse[None, :, qs:qe], lse_ref, lse_ref, atol=2e-3)
+        g_ref = ref.attention_ref_backward(dob, qb, kb, vb, causal=causal)
+        g_low = ref.attention_ref_backward_lowp(dob, qb, kb, vb, causal=causal)
+        for name, g, s, e, gr, gl in (("dq", dq, qs, qe, g_ref[0], g_low[0]), ("dk", dk, ks, ke, g_ref[1], g_low[1]),
+                                      ("dv", dv, ks, ke, g_ref[2], g_low[2])):
+            ref.check_close(f"{name}[{b}]", g[None, s:e], gr, gl)
+    # rows after the last sequence belong to none
+    assert float(abs(out[int(hq[-1]):].astype("float32")).max()) == 0.0
+    assert float(abs(dk[int(hk[-1]):].astype("float32")).max()) == 0.0
+
+
+def test_varlen_bad_offsets_are_refused():
+    import cupy
+
+    q, k, v, cu_q, cu_k, _, _ = _varlen_batch(np.random.default_rng(), [5, 6], [5, 6], 2, 2, 64)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        cuflash.flash_attn_varlen_func(q, k, v, cupy.asarray([0, 6, 5], dtype=cupy.int32), cu_k, 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_k = 3"):
+        cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 3)
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k.astype(cupy.int64), 6, 6)
+    with pytest.raises(ValueError, match="exceeds"):
+        cuflash.flash_attn_varlen_func(q, k, v, cupy.asarray([0, 5, 600], dtype=cupy.int32), cu_k, 600, 6)

@@ -86,9 +86,9 @@ def test_scale_window_headdim():
                      (True, TypeError)):
         with pytest.raises(exc, match="softmax_scale"):
             _validate.softmax_scale_or_default(bad, 64)
-    big = dims.seqlen_q + dims.seqlen_k
-    assert _validate.window_bounds((-1, -1), False, dims) == (big, big)
-    assert _validate.window_bounds((-1, -1), True, dims) == (big, 0)
+    assert _validate.window_bounds((-1, -1), False, dims) == (dims.seqlen_k, dims.seqlen_q)
+    assert _validate.window_bounds((-1, -1), True, dims) == (dims.seqlen_k, 0)
+    assert _validate.window_bounds((10 ** 9, 10 ** 9), False, dims) == (dims.seqlen_k, dims.seqlen_q)
     assert _validate.window_bounds((16, 3), False, dims) == (16, 3)
     for bad, exc in (((-2, 0), ValueError), ((1,), TypeError), ((1.5, 2), TypeError), ("ab", TypeError)):
         with pytest.raises(exc, match="window_size"):

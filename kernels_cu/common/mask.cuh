@@ -9,7 +9,7 @@
 
 struct Mask {
     int seqlen_q, seqlen_k;
-    int left, right;  // >= 0; "unbounded" = a value >= seqlen_q + seqlen_k
+    int left, right;  // >= 0; "unbounded" = seqlen_k (left) / seqlen_q (right), see _validate.window_bounds
 
     __device__ __forceinline__ int diag() const { return seqlen_k - seqlen_q; }
 

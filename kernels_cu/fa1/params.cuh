@@ -15,7 +15,7 @@ struct Fa1FwdParams {
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 o_batch_stride, o_row_stride, o_head_stride;
     int batch, heads, kv_heads, seqlen_q, seqlen_k;
-    int window_left, window_right;  // "unbounded" = seqlen_q + seqlen_k
+    int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale;                    // softmax scale
 };
 

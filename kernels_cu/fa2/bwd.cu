@@ -22,6 +22,7 @@
 // CUFLASH_DTYPE, CUFLASH_SOFTCAP, CUFLASH_ALIBI, CUFLASH_DETERMINISTIC.
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "common/seqlen.cuh"
 #include "common/tile.cuh"
 #include "common/warp_mma.cuh"
 #include "fa2/params.cuh"
@@ -69,11 +70,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
     const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const SeqInfo seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k);
+    const int key0 = n_block * BN;
+    if (key0 >= seq.seqlen_k) return;  // variable length: this entry is shorter than the longest
     const int group = p.heads / p.kv_heads;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    const int key0 = n_block * BN;
+    const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+    // Packed (variable-length) inputs: this entry's rows start at q_start / k_start.
+    const u16* q_base = p.q + batch * p.q_batch_stride + i64(seq.q_start) * p.q_row_stride;
+    const u16* do_base = p.dout + batch * p.do_batch_stride + i64(seq.q_start) * p.do_row_stride;
 
     // This warp's place in each layout.
     const int s_row0 = (warp / WS_N) * S_ROWS, s_col_base = (warp % WS_N) * S_COLS * S_SPLIT;
@@ -83,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     int m_lo, m_hi;
     mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
     const int m_count = m_hi - m_lo, items = group * m_count;  // (query head, Q block) pairs, head-major
-    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM;  // per (batch, head) semaphores: sized by the maximum
 
     float dk[KV_ROWS / 16][KV_COLS / 8][4], dv[KV_ROWS / 16][KV_COLS / 8][4];
     zero(dk);
@@ -91,17 +97,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 
     auto load_item = [&](int item, int stage) {
         const int hq = kv_head * group + item / m_count, row0 = (m_lo + item % m_count) * BM;
-        load_tile_async<THREADS>(sm.q[stage], p.q + batch * p.q_batch_stride + hq * p.q_head_stride + row0 * p.q_row_stride,
-                                 p.q_row_stride, p.seqlen_q - row0);
-        load_tile_async<THREADS>(sm.dout[stage],
-                                 p.dout + batch * p.do_batch_stride + hq * p.do_head_stride + row0 * p.do_row_stride,
-                                 p.do_row_stride, p.seqlen_q - row0);
+        load_tile_async<THREADS>(sm.q[stage], q_base + hq * p.q_head_stride + row0 * p.q_row_stride, p.q_row_stride,
+                                 seq.seqlen_q - row0);
+        load_tile_async<THREADS>(sm.dout[stage], do_base + hq * p.do_head_stride + row0 * p.do_row_stride,
+                                 p.do_row_stride, seq.seqlen_q - row0);
     };
     if (items > 0) {
-        load_tile_async<THREADS>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + key0 * p.k_row_stride,
-                                 p.k_row_stride, p.seqlen_k - key0);
-        load_tile_async<THREADS>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + key0 * p.v_row_stride,
-                                 p.v_row_stride, p.seqlen_k - key0);
+        load_tile_async<THREADS>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                                           (i64(seq.k_start) + key0) * p.k_row_stride,
+                                 p.k_row_stride, seq.seqlen_k - key0);
+        load_tile_async<THREADS>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                                           (i64(seq.k_start) + key0) * p.v_row_stride,
+                                 p.v_row_stride, seq.seqlen_k - key0);
         if constexpr (QSTAGES == 2) load_item(0, 0);
         cp_async_commit();
     }
@@ -109,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     for (int item = 0; item < items; ++item) {
         const int stage = QSTAGES == 2 ? item & 1 : 0;
         const int hq = kv_head * group + item / m_count, m = m_lo + item % m_count, row0 = m * BM;
-        const i64 row_base = (i64(batch) * p.heads + hq) * p.seqlen_q;  // lse / dsum / dq_accum rows
+        const i64 row_base = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start;  // lse, dsum, dq_accum
         float alibi = 0.f;
         if constexpr (ALIBI) alibi = p.alibi_slopes[hq] * 1.44269504088896341f / p.scale_log2;
 
@@ -132,9 +139,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const int row = row0 + s_row0 + mi * 16 + g + 8 * r;
-                const float l = row < p.seqlen_q ? p.lse[row_base + row] : neg_inf();
+                const float l = row < seq.seqlen_q ? p.lse[row_base + row] : neg_inf();
                 lse2[mi][r] = l == neg_inf() ? -neg_inf() : l * 1.44269504088896341f;
-                dsum[mi][r] = row < p.seqlen_q ? p.dsum[row_base + row] : 0.f;
+                dsum[mi][r] = row < seq.seqlen_q ? p.dsum[row_base + row] : 0.f;
             }
 
         const bool needs_mask = !mask.tile_all_visible<BM, BN>(m, n_block);
@@ -202,7 +209,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = row0 + q_row0 + mi * 16 + g + 8 * r;
-                    if (row >= p.seqlen_q) continue;
+                    if (row >= seq.seqlen_q) continue;
                     float* dst = p.dq_accum + (row_base + row) * D + q_col0 + 2 * t;
 #pragma unroll
                     for (int ni = 0; ni < Q_COLS / 8; ++ni) {
@@ -224,9 +231,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + kv_row0 + mi * 16 + g + 8 * r;
-            if (key >= p.seqlen_k) continue;
-            u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + key * p.dk_row_stride + kv_col0 + 2 * t;
-            u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + key * p.dv_row_stride + kv_col0 + 2 * t;
+            if (key >= seq.seqlen_k) continue;
+            const i64 krow = i64(seq.k_start) + key;
+            u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + krow * p.dk_row_stride + kv_col0 + 2 * t;
+            u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + krow * p.dv_row_stride + kv_col0 + 2 * t;
 #pragma unroll
             for (int ni = 0; ni < KV_COLS / 8; ++ni) {
                 *reinterpret_cast<u32*>(dk_row + ni * 8) =

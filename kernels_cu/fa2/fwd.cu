@@ -17,6 +17,7 @@
 // CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1).
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "common/seqlen.cuh"
 #include "common/tile.cuh"
 #include "fa2/params.cuh"
 
@@ -170,16 +171,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
 
     const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (last) Q blocks first
     const int head = blockIdx.y, batch = blockIdx.z;
+    const SeqInfo seq(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k);
+    const int row0 = m_block * BM;
+    if (row0 >= seq.seqlen_q) return;  // variable length: this entry is shorter than the longest
     const int kv_head = head / (p.heads / p.kv_heads);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
 
-    const int row0 = m_block * BM;
     const int warp_row0 = warp * MT * 16;  // first row of this warp within the block
-    const u16* q = p.q + batch * p.q_batch_stride + head * p.q_head_stride + row0 * p.q_row_stride;
-    const u16* k = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const u16* v = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+    const u16* q = p.q + batch * p.q_batch_stride + head * p.q_head_stride + (i64(seq.q_start) + row0) * p.q_row_stride;
+    const u16* k = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + i64(seq.k_start) * p.k_row_stride;
+    const u16* v = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + i64(seq.k_start) * p.v_row_stride;
     float alibi = 0.f;  // ALiBi slope in raw-score units: logits get slope * -|i + diag - j|
     if constexpr (ALIBI) alibi = p.alibi_slopes[head] * 1.44269504088896341f / p.scale_log2;
 
@@ -195,10 +198,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
     for (int mt = 0; mt < MT; ++mt) row_max[mt][0] = row_max[mt][1] = neg_inf(), row_sum[mt][0] = row_sum[mt][1] = 0.f;
 
     if (n_lo < n_hi) {
-        load_tile_async<THREADS>(sm.q, q, p.q_row_stride, p.seqlen_q - row0);
-        load_tile_async<THREADS>(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, p.seqlen_k - n_lo * BN);
+        load_tile_async<THREADS>(sm.q, q, p.q_row_stride, seq.seqlen_q - row0);
+        load_tile_async<THREADS>(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n_lo * BN);
         cp_async_commit();
-        load_tile_async<THREADS>(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, p.seqlen_k - n_lo * BN);
+        load_tile_async<THREADS>(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n_lo * BN);
         cp_async_commit();
     }
 
@@ -211,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
         __syncthreads();     // ... for every thread; and everyone is done with the other stage
         if (has_next)
             load_tile_async<THREADS>(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
-                                     p.seqlen_k - next_key0);
+                                     seq.seqlen_k - next_key0);
         cp_async_commit();
 
         const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
@@ -225,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
                 __syncthreads();
                 if (has_next)
                     load_tile_async<THREADS>(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
-                                             p.seqlen_k - next_key0);
+                                             seq.seqlen_k - next_key0);
                 cp_async_commit();
             }
             pv_product(v_addr, stage * KV_STAGE_BYTES, sub, s, o);
@@ -235,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
 
     // Epilogue: O /= l, LSE = (m * c + log2 l) * ln 2. Each warp stages its own rows of O in its own
     // rows of the Q tile (no other warp reads them), then writes whole 16-byte chunks.
-    float* lse = p.lse + (i64(batch) * p.heads + head) * p.seqlen_q;
+    float* lse = p.lse + batch * p.row_batch_stride + head * p.row_head_stride + seq.q_start;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -248,16 +251,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
                 *reinterpret_cast<u32*>(sm.q.at(row_in_block, j * 8 + 2 * t)) =
                     elem_t::pack2(o[mt][j][2 * r] * inv, o[mt][j][2 * r + 1] * inv);
             const int row = row0 + row_in_block;
-            if (t == 0 && row < p.seqlen_q)
+            if (t == 0 && row < seq.seqlen_q)
                 lse[row] = l > 0.f ? (row_max[mt][r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
         }
     }
     __syncwarp();
-    u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride;
+    u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + i64(seq.q_start) * p.o_row_stride;
     constexpr int CHUNKS = D / 8;
     for (int i = lane; i < MT * 16 * CHUNKS; i += 32) {
         const int r = warp_row0 + i / CHUNKS, c = (i % CHUNKS) * 8;
-        if (row0 + r < p.seqlen_q)
+        if (row0 + r < seq.seqlen_q)
             *reinterpret_cast<uint4*>(out + (row0 + r) * p.o_row_stride + c) = *reinterpret_cast<uint4*>(sm.q.at(r, c));
     }
 }

@@ -11,12 +11,15 @@ struct Fa2FwdParams {
     u16* o;
     float* lse;                 // (batch, heads, seqlen_q), contiguous
     const float* alibi_slopes;  // (heads,) when the variant has ALiBi
+    const int* cu_seqlens_q;    // (batch + 1,) for variable-length batches, else null (common/seqlen.cuh)
+    const int* cu_seqlens_k;
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 o_batch_stride, o_row_stride, o_head_stride;
-    int batch, heads, kv_heads, seqlen_q, seqlen_k;
-    int window_left, window_right;  // "unbounded" = seqlen_q + seqlen_k
+    i64 row_batch_stride, row_head_stride;  // of the per-row fp32 arrays (LSE)
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;  // seqlens: the maxima for variable length
+    int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     // Logits are scale * s, or softcap * tanh(scale * s / softcap) with softcap. The kernel keeps
     // raw scores r (s, or tanh(softcap_pre * s)) and exponentiates r * scale_log2 in base 2:
     float scale_log2;   // scale * log2(e), or softcap * log2(e) with softcap
@@ -37,13 +40,16 @@ struct Fa2BwdParams {
     const float* dsum;          // D = rowsum(dO * O), (batch, heads, seqlen_q)
     const float* alibi_slopes;  // (heads,) when the variant has ALiBi
     int* dq_semaphore;          // (batch, heads, Q blocks), zeroed, for the deterministic variant
+    const int* cu_seqlens_q;    // (batch + 1,) for variable-length batches, else null (common/seqlen.cuh)
+    const int* cu_seqlens_k;
     i64 q_batch_stride, q_row_stride, q_head_stride;
     i64 k_batch_stride, k_row_stride, k_head_stride;
     i64 v_batch_stride, v_row_stride, v_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
-    int batch, heads, kv_heads, seqlen_q, seqlen_k;
+    i64 row_batch_stride, row_head_stride;  // of the per-row fp32 arrays (LSE, D, dQ accumulator rows)
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;  // seqlens: the maxima for variable length
     int window_left, window_right;
     float scale_log2;   // as in the forward
     float softcap_pre;  // as in the forward

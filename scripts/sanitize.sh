@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# compute-sanitizer over every kernel family: memcheck, racecheck, synccheck and initcheck, each tool in a
+# run of its own over scripts/sanitize_driver.py (representative variants: smallest and largest head dim,
+# causal and not, Sq != Sk both ways with odd lengths, GQA, one row, a window, softcap/ALiBi where the
+# family has them; small shapes so racecheck finishes quickly).
+#
+#   scripts/sanitize.sh                  every tool x every family this package and GPU have
+#   SANITIZE_TOOLS="memcheck" SANITIZE_FAMILIES="fa1-bwd" scripts/sanitize.sh
+#
+# Prints one line per (tool, family) and "sanitize: N runs, M with errors"; logs go to
+# ${OUT:-out}/sanitize-<tool>-<family>.log (and sanitize-warmup.log). Exits non-zero when any run found
+# an error, failed, or the sanitizer could not run. Other knobs: PYTHON (default python3),
+# COMPUTE_SANITIZER (path), SANITIZE_FLAGS (extra sanitizer flags, e.g. "--report-api-errors no"),
+# SANITIZE_TIMEOUT (seconds per run, default 1200).
+#
+# initcheck reports reads of device memory that nothing wrote. Output buffers that a kernel allocates
+# uninitialised and then writes in full are fine; the driver turns CuPy's memory pool off so that each
+# array is a fresh cudaMalloc of its exact size (a pool would hide both uninitialised reads and
+# out-of-bounds reads that land in a neighbouring array).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+CACHE=$(mktemp -d "${TMPDIR:-/tmp}/cuflash-sanitize-cache.XXXXXX")
+export CUFLASH_CACHE_DIR=$CACHE
+trap 'rm -rf "$CACHE"' EXIT
+
+SAN=${COMPUTE_SANITIZER:-}
+if [ -z "$SAN" ]; then
+  SAN=$(command -v compute-sanitizer 2>/dev/null || true)
+  for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer \
+           /usr/local/cuda-*/bin/compute-sanitizer /opt/nvidia/compute-sanitizer/compute-sanitizer; do
+    [ -z "$SAN" ] && [ -x "$c" ] && SAN=$c
+  done
+fi
+if [ -z "$SAN" ]; then
+  echo "sanitize: compute-sanitizer not found (set COMPUTE_SANITIZER=/path/to/compute-sanitizer)"
+  echo "sanitize: 0 runs, 0 with errors (not run)"
+  exit 2
+fi
+echo "sanitize: $("$SAN" --version 2>/dev/null | grep -iE 'version' | head -1) ($SAN)"
+
+FAMILIES=${SANITIZE_FAMILIES:-$("$PY" scripts/sanitize_driver.py --list)}
+TOOLS=${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}
+if [ -z "$FAMILIES" ]; then
+  echo "sanitize: no kernel family can run here (no GPU?)"
+  echo "sanitize: 0 runs, 0 with errors (not run)"
+  exit 2
+fi
+
+runs=0
+bad=0
+warm_failed=0
+
+# Warm-up without the sanitizer: compiles every variant into the cache and checks the results against
+# the fp32 reference, so the sanitized runs neither compile nor test something that is already wrong.
+start=$SECONDS
+# shellcheck disable=SC2086
+if "$PY" scripts/sanitize_driver.py --check $FAMILIES >"$OUT/sanitize-warmup.log" 2>&1; then
+  printf '%-10s %-9s %-34s %4ss  %s\n' "warm-up" "all" "clean (results match the reference)" $((SECONDS - start)) \
+    "$OUT/sanitize-warmup.log"
+else
+  printf '%-10s %-9s %-34s %4ss  %s\n' "warm-up" "all" "FAILED (see log)" $((SECONDS - start)) "$OUT/sanitize-warmup.log"
+  grep -E 'MISMATCH|Error|error' "$OUT/sanitize-warmup.log" | head -5 | sed 's/^/    /'
+  warm_failed=1
+fi
+
+for tool in $TOOLS; do
+  for fam in $FAMILIES; do
+    log="$OUT/sanitize-$tool-$fam.log"
+    start=$SECONDS
+    # shellcheck disable=SC2086
+    timeout "${SANITIZE_TIMEOUT:-1200}" "$SAN" --tool "$tool" --error-exitcode 1 ${SANITIZE_FLAGS:-} \
+      "$PY" scripts/sanitize_driver.py "$fam" >"$log" 2>&1
+    rc=$?
+    runs=$((runs + 1))
+    errors=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$log" | tail -1 | grep -Eo '[0-9]+' || true)
+    api=$(grep -c 'Program hit' "$log" || true)
+    if grep -q 'Device not supported' "$log"; then
+      status="SANITIZER CANNOT USE THIS GPU"
+    elif [ "$rc" -eq 124 ]; then
+      status="TIMED OUT (${SANITIZE_TIMEOUT:-1200}s)"
+    elif [ -n "$errors" ] && [ "$errors" -gt 0 ]; then
+      status="$errors ERROR(S)"
+      [ "$api" -gt 0 ] && status="$status ($api CUDA API)"
+    elif [ "$rc" -ne 0 ]; then
+      status="FAILED (exit $rc)"
+    elif [ -z "$errors" ]; then
+      status="NO SUMMARY (exit 0)"
+    else
+      status="clean"
+    fi
+    [ "$status" = "clean" ] || bad=$((bad + 1))
+    printf '%-10s %-9s %-34s %4ss  %s\n' "$tool" "$fam" "$status" $((SECONDS - start)) "$log"
+    if [ "$status" != "clean" ]; then
+      grep -E '^=+ +(Invalid|Race|Uninitialized|Barrier|Program hit|Error)|Traceback|Error:' "$log" | grep -v SUMMARY \
+        | sort | uniq -c | sort -rn | head -5 | sed 's/^/    /'
+    fi
+    if [ "$status" = "SANITIZER CANNOT USE THIS GPU" ]; then
+      echo "sanitize: compute-sanitizer refused the device; stopping (see $log)"
+      echo "sanitize: $runs runs, $bad with errors (stopped: the sanitizer cannot run here)"
+      exit 3
+    fi
+  done
+done
+
+[ "$warm_failed" -eq 1 ] && note=" (and the warm-up check against the reference FAILED)" || note=""
+echo "sanitize: $runs runs, $bad with errors$note"
+[ "$bad" -eq 0 ] && [ "$warm_failed" -eq 0 ]
