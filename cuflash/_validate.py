@@ -219,3 +219,22 @@ def check_cu_seqlens_values(name: str, cu, total: int, max_seqlen: int, max_name
         raise ValueError(f"{name}[-1] = {int(cu[-1])} exceeds the {total} packed rows of the matching array")
     if lengths.size and lengths.max() > max_seqlen:
         raise ValueError(f"{max_name} = {max_seqlen} but {name} holds a sequence of length {int(lengths.max())}")
+
+
+def dropout_args(dropout_p, dropout_seed, dropout_offset):
+    """None (no dropout) or (p, seed, offset) for the kernels."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_p == 0.0:
+        return None
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
+        raise TypeError("dropout_seed must be an int in [0, 2**64) when dropout_p > 0 (the backward regenerates "
+                        f"the mask from it); got {dropout_seed!r}")
+    if not 0 <= dropout_seed < 2 ** 64:
+        raise ValueError(f"dropout_seed must be in [0, 2**64); got {dropout_seed}")
+    if isinstance(dropout_offset, bool) or not isinstance(dropout_offset, numbers.Integral) \
+            or not 0 <= dropout_offset < 2 ** 32:
+        raise ValueError(f"dropout_offset must be an int in [0, 2**32); got {dropout_offset!r}")
+    return float(dropout_p), int(dropout_seed), int(dropout_offset)

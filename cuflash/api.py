@@ -78,8 +78,10 @@ def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward",
 
 
 def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, deterministic: bool = False,
-              varlen: bool = False) -> set[str]:
+              varlen: bool = False, dropout=None) -> set[str]:
     feats = {"gqa"}
+    if dropout is not None:
+        feats.add("dropout")
     if varlen:
         feats.add("varlen")
     if deterministic:
@@ -96,7 +98,8 @@ def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, determi
 
 
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, return_lse=False, impl="auto"):
+                    alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
+                    impl="auto"):
     """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
@@ -104,8 +107,12 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     see no key. The result is in the caller's framework and computed on its current stream.
     ``softmax_scale`` defaults to 1/sqrt(headdim). ``softcap > 0`` caps the logits:
     softcap · tanh(scale · qkᵀ / softcap) (Gemma-2 style). ``alibi_slopes``: float32 (heads,) array;
-    adds -slope[h] · |i + seqlen_k - seqlen_q - j| to the logits. ``impl``: "fa1", "fa2" or "auto"
-    (the fastest implementation that supports the call on this GPU).
+    adds -slope[h] · |i + seqlen_k - seqlen_q - j| to the logits. ``dropout_p`` drops attention
+    probabilities (after the softmax normalisation, kept ones scaled by 1 / (1 - p)); the mask is a
+    function of (``dropout_seed``, ``dropout_offset``, batch, head, row, key) only (Philox, counter
+    based), so the backward regenerates it from the same seed and offset and a seed reproduces it;
+    ``cuflash.reference.dropout_mask`` computes it. ``impl``: "fa1", "fa2" or "auto" (the fastest
+    implementation that supports the call on this GPU).
     """
     import cupy
 
@@ -116,10 +123,11 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
         softcap = _validate.softcap_value(softcap)
+        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
         if alibi_slopes is not None:
             _validate.check_alibi_slopes(call.specs[3], dims, qs)
         family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
-                            _features(causal, window_size, softcap, alibi_slopes))
+                            _features(causal, window_size, softcap, alibi_slopes, dropout=dropout))
 
         qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
@@ -129,18 +137,22 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
             extra["softcap"] = softcap
         if alibi_slopes is not None:
             extra["alibi_slopes"] = call.arrays[3]
+        if dropout is not None:
+            extra["dropout"] = dropout
         family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
 def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, deterministic=False, impl="auto"):
+                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                        deterministic=False, impl="auto"):
     """Gradients (dq, dk, dv) of ``flash_attn_func`` given the output gradient ``dout``.
 
     ``out`` and ``lse`` are what the forward returned (``return_lse=True``); P is recomputed from
     q, k and lse, so nothing of size seqlen_q × seqlen_k is stored. dk and dv have k's shape: for
     GQA/MQA they are summed over the query heads that share a KV head. ``causal``, ``softmax_scale``,
-    ``window_size``, ``softcap`` and ``alibi_slopes`` must be the forward's. ``deterministic=True``
+    ``window_size``, ``softcap``, ``alibi_slopes`` and the dropout arguments must be the forward's.
+    ``deterministic=True``
     adds the dQ contributions in a fixed order, so the gradients are bit-identical run to run (FA2).
     """
     import cupy
@@ -157,12 +169,13 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
         softcap = _validate.softcap_value(softcap)
+        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
         if alibi_slopes is not None:
             _validate.check_alibi_slopes(call.specs[6], dims, qs)
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
         family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
-                            _features(causal, window_size, softcap, alibi_slopes, deterministic))
+                            _features(causal, window_size, softcap, alibi_slopes, deterministic, dropout=dropout))
 
         qa, ka, va, oa, doa, lsea = call.arrays[:6]
         dq = cupy.empty_like(qa)
@@ -206,8 +219,8 @@ def _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           return_lse=False, impl="auto", validate=True):
+                           softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                           dropout_seed=None, dropout_offset=0, return_lse=False, impl="auto", validate=True):
     """``flash_attn_func`` over a batch of sequences of different lengths, packed without padding.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``.
@@ -222,10 +235,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
         softcap = _validate.softcap_value(softcap)
+        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
         if alibi_slopes is not None:
             _validate.check_alibi_slopes(call.specs[5], dims, call.specs[0])
         family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
-                            _features(causal, window_size, softcap, alibi_slopes, varlen=True))
+                            _features(causal, window_size, softcap, alibi_slopes, varlen=True, dropout=dropout))
         qa, ka, va, cu_q, cu_k = call.arrays[:5]
         # Rows after cu_seqlens_q[-1] belong to no sequence: they stay 0 with LSE -inf.
         out = cupy.zeros(qa.shape, dtype=qa.dtype)
@@ -236,13 +250,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 extra["softcap"] = softcap
             if alibi_slopes is not None:
                 extra["alibi_slopes"] = call.arrays[5]
+            if dropout is not None:
+                extra["dropout"] = dropout
             family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                                causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, deterministic=False, impl="auto", validate=True):
+                               alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                               deterministic=False, impl="auto", validate=True):
     """Gradients (dq, dk, dv) of ``flash_attn_varlen_func``; arguments as there and as in
     ``flash_attn_backward``."""
     import cupy
@@ -263,12 +280,14 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
         softcap = _validate.softcap_value(softcap)
+        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
         if alibi_slopes is not None:
             _validate.check_alibi_slopes(call.specs[8], dims, qs)
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
         family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
-                            _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=True))
+                            _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=True,
+                                      dropout=dropout))
         qa, ka, va, cu_q, cu_k, oa, doa, lsea = call.arrays[:8]
         dq = cupy.zeros_like(qa)  # rows past cu_q[-1] belong to no sequence: 0
         dk = cupy.zeros_like(ka)
@@ -283,6 +302,8 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
                 extra["alibi_slopes"] = call.arrays[8]
             if deterministic:
                 extra["deterministic"] = True
+            if dropout is not None:
+                extra["dropout"] = dropout
             family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
                             **extra)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)

@@ -6,6 +6,7 @@ Forward and backward (dQ by fp32 atomics, or in a fixed order with ``determinist
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -20,15 +21,18 @@ from .heuristics import FA2_BWD_TILES, FA2_TILES
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
 MIN_CC = (8, 0)
-FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen"})
-BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen", "deterministic"})
+FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen", "dropout"})
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "alibi", "varlen", "dropout", "deterministic"})
+
+_DROPOUT_FIELDS = [(n, np.uint32) for n in ("dropout_seed_lo", "dropout_seed_hi", "dropout_offset",
+                                             "dropout_threshold")] + [("dropout_scale", np.float32)]
 
 # Mirror of Fa2FwdParams in kernels_cu/fa2/params.cuh (same order, C alignment).
 FWD_PARAMS = np.dtype(
     pointer_fields("q", "k", "v", "o", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k")
     + stride_fields("q", "k", "v", "o") + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS
-    + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
+    + [("scale_log2", np.float32), ("softcap_pre", np.float32)] + _DROPOUT_FIELDS,
     align=True,
 )
 
@@ -37,15 +41,30 @@ BWD_PARAMS = np.dtype(
                    "cu_seqlens_q", "cu_seqlens_k")
     + stride_fields("q", "k", "v", "do", "dk", "dv") + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS
-    + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)],
+    + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)] + _DROPOUT_FIELDS,
     align=True,
 )
 
 LOG2E = 1.0 / math.log(2.0)
 
 
-def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False) -> Variant:
+def _feature_defines(dtype: str, softcap: bool, alibi: bool, dropout: bool) -> tuple:
+    return (("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+            ("CUFLASH_DROPOUT", int(dropout)))
+
+
+def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False):
+    """The tiles of a forward variant: the table's, except that with all three optional features at once
+    a warp takes one 16-row m-tile instead of two (twice the warps): their extra registers (tanh, the
+    ALiBi distance, the Philox state) made ptxas spill at d = 128 on sm_80."""
     t = FA2_TILES[headdim]
+    if softcap and alibi and dropout and t.block_m // t.warps > 16:
+        t = dataclasses.replace(t, warps=t.block_m // 16)
+    return t
+
+
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
+    t = fwd_tiles(headdim, softcap, alibi, dropout)
     swizzled = headdim % 64 == 0
     smem = smem_tile_bytes(t.block_m, headdim, swizzled) + 4 * smem_tile_bytes(t.block_n, headdim, swizzled)
     return Variant(
@@ -53,15 +72,15 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
         "fa2/fwd.cu",
         "fa2_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
-         ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
-         ("CUFLASH_ALIBI", int(alibi))),
+         ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps))
+        + _feature_defines(dtype, softcap, alibi, dropout),
         threads=t.warps * 32,
         smem_bytes=smem,
     )
 
 
-def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False,
-                deterministic: bool = False) -> Variant:
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
+    """The deterministic mode is a run-time choice of the same variant (a dQ semaphore array or none)."""
     t = FA2_BWD_TILES[headdim]
     sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
     smem = (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
@@ -73,9 +92,8 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
          ("CUFLASH_WARPS", t.warps), ("CUFLASH_QSTAGES", t.q_stages), ("CUFLASH_WARPS_S_M", t.warps_s_m),
          ("CUFLASH_WARPS_KV_N", t.warps_kv_n), ("CUFLASH_WARPS_Q_M", t.warps_q_m), ("CUFLASH_S_SPLIT", t.s_split),
-         ("CUFLASH_Q_SPLIT", t.q_split),
-         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-         ("CUFLASH_DETERMINISTIC", int(deterministic))),
+         ("CUFLASH_Q_SPLIT", t.q_split))
+        + _feature_defines(dtype, softcap, alibi, dropout),
         threads=t.warps * 32,
         smem_bytes=smem,
     )
@@ -85,12 +103,21 @@ def all_variants() -> list[Variant]:
     out = []
     for dtype in DTYPE_CODES:
         for d in HEADDIMS:
-            for softcap in (False, True):
-                for alibi in (False, True):
-                    out.append(fwd_variant(d, dtype, softcap, alibi))
-                    out.append(bwd_variant(d, dtype, softcap, alibi))
-            out.append(bwd_variant(d, dtype, deterministic=True))
+            for softcap, alibi, dropout in itertools.product((False, True), repeat=3):
+                out.append(fwd_variant(d, dtype, softcap, alibi, dropout))
+                out.append(bwd_variant(d, dtype, softcap, alibi, dropout))
     return out
+
+
+def _dropout_fields(p, dropout) -> None:
+    """``dropout``: None or (p, seed, offset) -> the kernels' Philox key, counter offset and 16-bit bound."""
+    if dropout is None:
+        return
+    prob, seed, offset = dropout
+    p["dropout_seed_lo"], p["dropout_seed_hi"] = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    p["dropout_offset"] = offset & 0xFFFFFFFF
+    p["dropout_threshold"] = min(int(round(prob * 65536)), 65536)
+    p["dropout_scale"] = 1.0 / (1.0 - prob)
 
 
 def _scales(scale: float, softcap: float) -> tuple[float, float]:
@@ -105,15 +132,15 @@ def _ptr(a) -> int:
 
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, *, softcap: float = 0.0,
-            alibi_slopes=None, cu_seqlens=None) -> None:
+            alibi_slopes=None, cu_seqlens=None, dropout=None) -> None:
     """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` ((batch, heads, seqlen_q), or
     (heads, total_q) for variable length).
 
     ``alibi_slopes``: a contiguous float32 array of shape (heads,) or None. ``cu_seqlens``: None, or
     (cu_seqlens_q, cu_seqlens_k) int32 arrays for packed variable-length inputs, with ``dims`` carrying
-    the maximum lengths.
+    the maximum lengths. ``dropout``: None or (p, seed, offset).
     """
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None)
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, dropout is not None)
     cu_q, cu_k = cu_seqlens or (None, None)
     p = np.zeros(1, FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("alibi_slopes", alibi_slopes),
@@ -124,18 +151,20 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
-    block_m = FA2_TILES[dims.headdim].block_m
+    _dropout_fields(p, dropout)
+    block_m = fwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None).block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
     get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream, *,
-             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, cu_seqlens=None) -> None:
+             softcap: float = 0.0, alibi_slopes=None, deterministic: bool = False, cu_seqlens=None,
+             dropout=None) -> None:
     """Launch preprocess, main and dQ conversion on ``stream``; ``dq_accum`` and ``dsum`` are scratch
     with lse's row layout (times headdim for dq_accum).
 
     ``deterministic``: dQ contributions are added in a fixed order (bit-identical results run to run).
-    ``cu_seqlens``: as in ``forward``.
+    ``cu_seqlens``, ``dropout``: as in ``forward``.
     """
     import cupy
 
@@ -143,7 +172,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 
     t = FA2_BWD_TILES[dims.headdim]
-    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, deterministic)
+    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, dropout is not None)
     q_blocks = (dims.seqlen_q + t.block_m - 1) // t.block_m
     semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None
     p = np.zeros(1, BWD_PARAMS)
@@ -158,6 +187,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
     p["scale"] = scale
+    _dropout_fields(p, dropout)
     grid = ((dims.seqlen_k + t.block_n - 1) // t.block_n, dims.kv_heads, dims.batch)
     get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
 

@@ -71,6 +71,7 @@ __all__ = [
     "kv_block_range",
     "fa1_tiled_forward_model",
     "fa1_tiled_backward_model",
+    "dropout_mask",
 ]
 
 
@@ -237,6 +238,48 @@ def _mask_or_none(seqlen_q, seqlen_k, causal, window_size, xp):
 # exact references
 # ----------------------------------------------------------------------------------------------------
 
+def _philox4x32_10(c0, c1, c2, c3, k0, k1):
+    """Philox4x32-10 on uint64 numpy arrays holding 32-bit values (same rounds as kernels_cu/common/philox.cuh)."""
+    m = numpy.uint64(0xFFFFFFFF)
+    for _ in range(10):
+        p0 = numpy.uint64(0xD2511F53) * c0
+        p1 = numpy.uint64(0xCD9E8D57) * c2
+        hi0, lo0 = p0 >> numpy.uint64(32), p0 & m
+        hi1, lo1 = p1 >> numpy.uint64(32), p1 & m
+        c0, c1, c2, c3 = (hi1 ^ c1 ^ k0) & m, lo1, (hi0 ^ c3 ^ k1) & m, lo0
+        k0 = (k0 + numpy.uint64(0x9E3779B9)) & m
+        k1 = (k1 + numpy.uint64(0xBB67AE85)) & m
+    return c0, c1, c2, c3
+
+
+def dropout_mask(batch, heads, seqlen_q, seqlen_k, p, seed, offset=0):
+    """The keep mask (batch, heads, seqlen_q, seqlen_k) of cuflash's dropout (kernels_cu/common/philox.cuh):
+    element (i, j) of (b, h) keeps when its 16 Philox bits are >= round(p * 65536). NumPy, bool."""
+    u = numpy.uint64
+    i = numpy.arange(seqlen_q, dtype=u)[:, None]
+    j = numpy.arange(seqlen_k, dtype=u)[None, :]
+    bh = numpy.arange(batch * heads, dtype=u)[:, None, None]
+    c0 = numpy.broadcast_to(j >> u(4), (batch * heads, seqlen_q, seqlen_k))
+    c1 = numpy.broadcast_to(i >> u(4), c0.shape)
+    c2 = numpy.broadcast_to(bh, c0.shape)
+    c3 = numpy.broadcast_to((u(offset) * u(32) + (i % u(8)) * u(4) + (j % u(8)) // u(2)) & u(0xFFFFFFFF), c0.shape)
+    words = _philox4x32_10(c0.copy(), c1.copy(), c2.copy(), c3.copy(), u(seed & 0xFFFFFFFF), u((seed >> 32) & 0xFFFFFFFF))
+    w = ((j % u(16)) // u(8)) * u(2) + (i % u(16)) // u(8)
+    word = numpy.choose(w.astype(numpy.int64) + numpy.zeros(c0.shape, dtype=numpy.int64), words)
+    bits = numpy.where((j % u(2)) == u(0), word & u(0xFFFF), word >> u(16))
+    threshold = min(int(round(p * 65536)), 65536)
+    return (bits >= u(threshold)).reshape(batch, heads, seqlen_q, seqlen_k)
+
+
+def _apply_dropout(p, keep, dropout_p, hkv, g, xp):
+    """P (B, Hkv, g*Sq, Sk) -> P o keep / (1 - p) with keep given as (B, H, Sq, Sk)."""
+    if keep is None:
+        return p
+    b, _, gs, sk = p.shape
+    keep = xp.asarray(keep).reshape(b, hkv, gs, sk)
+    return p * keep.astype(p.dtype) / p.dtype.type(1.0 - dropout_p)
+
+
 def _alibi_bias(slopes, sq, sk, hkv, g, dtype, xp):
     """ALiBi bias -slope[h] * |i + (Sk - Sq) - j| as (1, Hkv, g*Sq, Sk), in the stacked-row order."""
     i = xp.arange(sq)[:, None]
@@ -282,9 +325,10 @@ def _forward_probs(q, k, *, causal, softmax_scale, window_size, dtype, round_dty
 
 
 def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), compute_dtype="float32",
-                  softcap=0.0, alibi_slopes=None):
+                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """Exact attention in ``compute_dtype`` ("float32" or "float64"), optionally with a softcap
-    (logits = softcap * tanh(scale * S / softcap)) and ALiBi slopes (one per query head).
+    (logits = softcap * tanh(scale * S / softcap)) and ALiBi slopes (one per query head). Dropout:
+    ``dropout_keep`` (B, H, Sq, Sk) bool (``dropout_mask``) with ``dropout_p``; the LSE is the undropped one.
 
     Returns ``out`` (B, Sq, H, D) and ``lse`` (B, H, Sq), both in ``compute_dtype``.
     """
@@ -293,12 +337,13 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1,
     b, sq, sk, h, hkv, d, dv = _check_shapes(q, k, v)
     p, lse, _, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                      dtype=dtype, softcap=softcap, alibi_slopes=alibi_slopes)
+    p = _apply_dropout(p, dropout_keep, dropout_p, hkv, h // hkv, xp)
     o = xp.matmul(p, v.astype(dtype).transpose(0, 2, 1, 3))  # (B, Hkv, g*Sq, Dv)
     return _merge_heads(o, sq), _lse_layout(lse, sq)
 
 
 def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None):
+                       alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """The same attention done naively in the input's precision (as plain bf16/fp16 PyTorch code would).
 
     S = q @ k^T (fp32 accumulation) rounded to the input dtype, scaled (and rounded again), softmax in
@@ -311,13 +356,14 @@ def attention_ref_lowp(q, k, v, *, causal=False, softmax_scale=None, window_size
     _, sq, *_ = _check_shapes(q, k, v)
     p, lse, _, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                      dtype=f32, round_dtype=low, softcap=softcap, alibi_slopes=alibi_slopes)
-    p = _round_to(p, low)
+    _, _, _, h, hkv, _, _ = _check_shapes(q, k, v)
+    p = _round_to(_apply_dropout(p, dropout_keep, dropout_p, hkv, h // hkv, xp), low)
     o = _round_to(xp.matmul(p, v.astype(f32).transpose(0, 2, 1, 3)), low)
     return _merge_heads(o, sq), _lse_layout(lse, sq)
 
 
 def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                           compute_dtype="float32", softcap=0.0, alibi_slopes=None):
+                           compute_dtype="float32", softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """Exact gradients (dq, dk, dv) of ``attention_ref``'s out for the upstream gradient ``dout``.
 
     Shapes like q, k, v, dtype ``compute_dtype``; for GQA dk/dv are summed over each group's query heads.
@@ -332,9 +378,10 @@ def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, w
     qs = _split_heads(q.astype(dtype), hkv)             # (B, Hkv, g*Sq, D)
     kk = k.astype(dtype).transpose(0, 2, 1, 3)          # (B, Hkv, Sk, D)
     vv = v.astype(dtype).transpose(0, 2, 1, 3)          # (B, Hkv, Sk, Dv)
-    pt = p.transpose(0, 1, 3, 2)
-    dv = xp.matmul(pt, do)                              # sums over the group's stacked rows
-    dp = xp.matmul(do, vv.transpose(0, 1, 3, 2))
+    # Dropout: O = (P o Z / (1 - p)) V; dP flows back through the same mask.
+    pd = _apply_dropout(p, dropout_keep, dropout_p, hkv, h // hkv, xp)
+    dv = xp.matmul(pd.transpose(0, 1, 3, 2), do)        # sums over the group's stacked rows
+    dp = _apply_dropout(xp.matmul(do, vv.transpose(0, 1, 3, 2)), dropout_keep, dropout_p, hkv, h // hkv, xp)
     delta = (p * dp).sum(axis=-1, keepdims=True)        # = rowsum(dO * O)
     ds = p * (dp - delta)                               # masked / empty rows: p = 0 -> ds = 0
     if dlogits is None:
@@ -347,7 +394,7 @@ def attention_ref_backward(dout, q, k, v, *, causal=False, softmax_scale=None, w
 
 
 def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                                softcap=0.0, alibi_slopes=None):
+                                softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """Naive low-precision gradients (float32 arrays holding values rounded to the input dtype).
 
     Forward as ``attention_ref_lowp``; then dP = dO @ V^T rounded, dV = P^T @ dO rounded,
@@ -366,8 +413,10 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
     qs = _split_heads(q.astype(f32), hkv)
     kk = k.astype(f32).transpose(0, 2, 1, 3)
     vv = v.astype(f32).transpose(0, 2, 1, 3)
-    dv = _round_to(xp.matmul(p.transpose(0, 1, 3, 2), do), low)
-    dp = _round_to(xp.matmul(do, vv.transpose(0, 1, 3, 2)), low)
+    g = h // hkv
+    pd = _round_to(_apply_dropout(p, dropout_keep, dropout_p, hkv, g, xp), low)
+    dv = _round_to(xp.matmul(pd.transpose(0, 1, 3, 2), do), low)
+    dp = _round_to(_apply_dropout(xp.matmul(do, vv.transpose(0, 1, 3, 2)), dropout_keep, dropout_p, hkv, g, xp), low)
     delta = (p * dp).sum(axis=-1, keepdims=True)
     ds = _round_to(p * (dp - delta), low)
     ds = _round_to(ds * (numpy.float32(scale) if dlogits is None else dlogits), low)

@@ -232,6 +232,22 @@ for fn in PUBLIC:
         for bad in (1, "yes", None):
             add(fn, "deterministic", f"type_{type(bad).__name__}", TypeError,
                 ["deterministic must be a bool", type(bad).__name__], deterministic=bad)
+    if _takes(fn, "dropout_p"):
+        for bad in (-0.1, 1.0, 1.5, math.nan):
+            add(fn, "dropout_p", f"value_{bad}", ValueError, ["dropout_p must be in [0, 1)", str(bad)],
+                dropout_p=bad, dropout_seed=1)
+        for bad in ("0.1", True, None):
+            add(fn, "dropout_p", f"type_{type(bad).__name__}", TypeError,
+                ["dropout_p must be a float in [0, 1)", type(bad).__name__], dropout_p=bad, dropout_seed=1)
+        for bad in (None, 1.5, "7"):
+            add(fn, "dropout_seed", f"type_{type(bad).__name__}", TypeError,
+                ["dropout_seed must be an int in [0, 2**64) when dropout_p > 0"], dropout_p=0.1, dropout_seed=bad)
+        for bad in (-1, 2 ** 64):
+            add(fn, "dropout_seed", f"value_{bad}", ValueError, ["dropout_seed must be in [0, 2**64)", str(bad)],
+                dropout_p=0.1, dropout_seed=bad)
+        for bad in (-1, 2 ** 32, 1.5):
+            add(fn, "dropout_offset", f"value_{bad}", ValueError, ["dropout_offset must be an int in [0, 2**32)"],
+                dropout_p=0.1, dropout_seed=3, dropout_offset=bad)
     # a family asked for a feature it lacks says so
     for name, fam in FAMILIES.items():
         feats = fam.FWD_FEATURES if DIRECTION[fn] == "forward" else fam.BWD_FEATURES

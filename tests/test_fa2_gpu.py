@@ -248,3 +248,56 @@ def test_varlen_bad_offsets_are_refused():
         cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k.astype(cupy.int64), 6, 6)
     with pytest.raises(ValueError, match="exceeds"):
         cuflash.flash_attn_varlen_func(q, k, v, cupy.asarray([0, 5, 600], dtype=cupy.int32), cu_k, 600, 6)
+
+
+# --- dropout ------------------------------------------------------------------------------------------
+
+def test_dropout_mask_is_the_reference_mask():
+    """With q = 0 every visible key has P = 1/Sk, and with V = identity the output row i is
+    keep[i, :] / ((1 - p) Sk): the kernel's mask read back exactly, against reference.dropout_mask."""
+    import cupy
+
+    sk, h, p_drop, seed = 128, 2, 0.25, 987654321
+    q = cupy.zeros((1, 77, h, sk), dtype="bfloat16")
+    k = cupy.asarray(np.random.default_rng().standard_normal((1, sk, h, sk), dtype=np.float32)).astype("bfloat16")
+    v = cupy.asarray(np.broadcast_to(np.eye(sk, dtype=np.float32)[None, :, None, :], (1, sk, h, sk)).copy())
+    v = v.astype("bfloat16")
+    out = cuflash.flash_attn_func(q, k, v, dropout_p=p_drop, dropout_seed=seed, dropout_offset=3, impl="fa2")
+    kept = (out.astype("float32").get() > 0).transpose(0, 2, 1, 3)  # (1, h, 77, sk)
+    want = ref.dropout_mask(1, h, 77, sk, p_drop, seed, 3)
+    assert (kept == want).all(), f"{int((kept != want).sum())} mismatches"
+    assert abs(kept.mean() - (1 - p_drop)) < 0.02
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_forward_backward(poison_allocations, d, causal):
+    import cupy
+
+    rng = np.random.default_rng()
+    b, sq, sk, h, hkv = 2, 150, 233, 4, 2
+    q, k, v = _inputs(rng, b, sq, sk, h, hkv, d, "bfloat16")
+    p_drop, seed, offset = 0.17, int(rng.integers(2 ** 63)), 5
+    keep = ref.dropout_mask(b, h, sq, sk, p_drop, seed, offset)
+    kw = dict(causal=causal, dropout_p=p_drop, dropout_seed=seed, dropout_offset=offset)
+    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa2", **kw)
+    rkw = dict(causal=causal, dropout_p=p_drop, dropout_keep=cupy.asarray(keep))
+    o_ref, lse_ref = ref.attention_ref(q, k, v, **rkw)
+    o_low, _ = ref.attention_ref_lowp(q, k, v, **rkw)
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)  # the LSE is the undropped one
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
+    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="fa2", **kw)
+    g_ref = ref.attention_ref_backward(dout, q, k, v, **rkw)
+    g_low = ref.attention_ref_backward_lowp(dout, q, k, v, **rkw)
+    for name, g, gr, gl in zip(("dq", "dk", "dv"), grads, g_ref, g_low):
+        ref.check_close(name, g, gr, gl)
+
+
+def test_dropout_reproducible_by_seed():
+    q, k, v = _inputs(np.random.default_rng(), 1, 200, 200, 2, 2, 64, "bfloat16")
+    a = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, dropout_seed=42, impl="fa2")
+    b = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, dropout_seed=42, impl="fa2")
+    c = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, dropout_seed=43, impl="fa2")
+    assert bool((a.view("uint16") == b.view("uint16")).all())
+    assert not bool((a.view("uint16") == c.view("uint16")).all())

@@ -527,3 +527,52 @@ def test_softcap_alibi_backward_matches_finite_differences():
             arr[idx] += eps
             num[idx] = (hi - lo) / (2 * eps)
         np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-8)
+
+
+# --- dropout -------------------------------------------------------------------------------------------
+
+def test_dropout_mask_statistics_and_reproducibility():
+    keep = R.dropout_mask(2, 3, 64, 80, 0.3, seed=1234, offset=7)
+    assert keep.shape == (2, 3, 64, 80)
+    frac = keep.mean()
+    assert abs(frac - 0.7) < 0.02, frac
+    assert (keep == R.dropout_mask(2, 3, 64, 80, 0.3, seed=1234, offset=7)).all()
+    assert (keep != R.dropout_mask(2, 3, 64, 80, 0.3, seed=1235, offset=7)).mean() > 0.3
+    assert (keep != R.dropout_mask(2, 3, 64, 80, 0.3, seed=1234, offset=8)).mean() > 0.3
+    # a sub-block of a bigger mask is the same mask: the map depends only on (b, h, i, j)
+    big = R.dropout_mask(2, 3, 100, 120, 0.3, seed=1234, offset=7)
+    assert (big[:, :, :64, :80] == keep).all()
+    assert R.dropout_mask(1, 1, 16, 16, 0.0, seed=1).all()
+
+
+def test_philox_known_answer():
+    """Philox4x32-10 test vector (Random123 kat_vectors: counter 0, key 0)."""
+    u = np.uint64
+    out = R._philox4x32_10(u(0), u(0), u(0), u(0), u(0), u(0))
+    assert [int(x) for x in out] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+def test_dropout_backward_matches_finite_differences():
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((1, 5, 2, 4))
+    k = rng.standard_normal((1, 6, 1, 4))
+    v = rng.standard_normal((1, 6, 1, 4))
+    dout = rng.standard_normal(q.shape)
+    keep = R.dropout_mask(1, 2, 5, 6, 0.4, seed=5)
+    kw = dict(causal=True, dropout_p=0.4, dropout_keep=keep, compute_dtype="float64")
+    grads = R.attention_ref_backward(dout, q, k, v, **kw)
+
+    def loss(q_, k_, v_):
+        return float((R.attention_ref(q_, k_, v_, **kw)[0] * dout).sum())
+
+    eps = 1e-6
+    for arr, grad in zip((q, k, v), grads):
+        num = np.zeros_like(arr)
+        for idx in np.ndindex(arr.shape):
+            arr[idx] += eps
+            hi = loss(q, k, v)
+            arr[idx] -= 2 * eps
+            lo = loss(q, k, v)
+            arr[idx] += eps
+            num[idx] = (hi - lo) / (2 * eps)
+        np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-8)

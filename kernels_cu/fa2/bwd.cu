@@ -10,17 +10,20 @@
 // Each product gets its own warp layout, so no warp recomputes another's S or dP; P and dS change
 // layout through shared memory, and the transposed products read them with ldmatrix.trans.
 // D = rowsum(dO o O) and the dQ conversion are common/bwd_aux.cu. Softcap multiplies dS by the
-// derivative of tanh; ALiBi only shifts the logits. DETERMINISTIC orders the dQ additions of the
+// derivative of tanh; ALiBi only shifts the logits. The deterministic mode orders the dQ additions of the
 // K blocks that touch a Q block by a per-(head, Q block) counter, so the sums are bit-identical run to
-// run.
+// run (p.dq_semaphore non-null).
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 // CUFLASH_WARPS, CUFLASH_QSTAGES (1/2), CUFLASH_WARPS_S_M (warp rows of the S/dP layout; the rest
 // split the columns), CUFLASH_WARPS_KV_N (of the dK/dV layout), CUFLASH_WARPS_Q_M (of the dQ layout),
 // CUFLASH_S_SPLIT / CUFLASH_Q_SPLIT (each warp computes its S/dP tile, its dQ tile, in that many column
 // chunks: fewer live registers next to dK and dV, at the cost of re-reading the A operand),
-// CUFLASH_DTYPE, CUFLASH_SOFTCAP, CUFLASH_ALIBI, CUFLASH_DETERMINISTIC.
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP, CUFLASH_ALIBI, CUFLASH_DROPOUT (the forward's mask, regenerated: dV
+// uses the dropped P, dS = P o (dropped dP - D)). The deterministic mode is chosen at run time: a
+// dq_semaphore array turns it on.
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
 #include "common/tile.cuh"
@@ -35,7 +38,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int QSTAGES = CUFLASH_QSTAGES;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool ALIBI = CUFLASH_ALIBI;
-constexpr bool DETERMINISTIC = CUFLASH_DETERMINISTIC;
+constexpr bool DROPOUT = CUFLASH_DROPOUT;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 
 // Warp layouts: (rows x columns) of warps over each product's output, and each warp's fragments.
@@ -80,6 +83,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     // Packed (variable-length) inputs: this entry's rows start at q_start / k_start.
     const u16* q_base = p.q + batch * p.q_batch_stride + i64(seq.q_start) * p.q_row_stride;
     const u16* do_base = p.dout + batch * p.do_batch_stride + i64(seq.q_start) * p.do_row_stride;
+    const Dropout drop{p.dropout_seed_lo, p.dropout_seed_hi, p.dropout_offset, p.dropout_threshold, p.dropout_scale};
 
     // This warp's place in each layout.
     const int s_row0 = (warp / WS_N) * S_ROWS, s_col_base = (warp % WS_N) * S_COLS * S_SPLIT;
@@ -154,9 +158,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
             warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, sm.q[stage], s_row0, 0, sm.k, s_col0, 0, lane);
             warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, sm.dout[stage], s_row0, 0, sm.v, s_col0, 0, lane);
 #pragma unroll
-            for (int mi = 0; mi < S_ROWS / 16; ++mi)
+            for (int mi = 0; mi < S_ROWS / 16; ++mi) {
+                u32 keep = ~0u;  // dropout keep bits of the current 16 x 16 block (common/philox.cuh)
 #pragma unroll
-                for (int ni = 0; ni < S_COLS / 8; ++ni)
+                for (int ni = 0; ni < S_COLS / 8; ++ni) {
+                    if constexpr (DROPOUT)
+                        if (ni % 2 == 0)
+                            keep = drop.keep_bits(batch * p.heads + hq, row0 + s_row0 + mi * 16,
+                                                  key0 + s_col0 + (ni / 2) * 16, g, t);
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {  // elements {0,1} (row g) and {2,3} (row g + 8)
                         const int r_in = s_row0 + mi * 16 + g + 8 * half, c_in = s_col0 + ni * 8 + 2 * t;
@@ -171,12 +180,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                             }
                             if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
                             const bool vis = !needs_mask || mask.visible(row, col);
-                            pv[e] = vis ? fast_exp2(x * p.scale_log2 - lse2[mi][half]) : 0.f;
-                            dsv[e] = pv[e] * (dp[mi][ni][2 * half + e] - dsum[mi][half]) * dtanh;
+                            const float prob = vis ? fast_exp2(x * p.scale_log2 - lse2[mi][half]) : 0.f;
+                            float dpv = dp[mi][ni][2 * half + e];
+                            pv[e] = prob;
+                            if constexpr (DROPOUT) {
+                                const float k = (keep >> (4 * (ni & 1) + 2 * half + e)) & 1u ? drop.scale : 0.f;
+                                pv[e] = prob * k;  // what the forward multiplied V by
+                                dpv *= k;
+                            }
+                            dsv[e] = prob * (dpv - dsum[mi][half]) * dtanh;
                         }
                         *reinterpret_cast<u32*>(sm.p.at(r_in, c_in)) = elem_t::pack2(pv[0], pv[1]);
                         *reinterpret_cast<u32*>(sm.ds.at(r_in, c_in)) = elem_t::pack2(dsv[0], dsv[1]);
                     }
+                }
+            }
         }
         __syncthreads();  // P and dS complete
 
@@ -186,7 +204,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 
         int* semaphore = nullptr;
         int turn = 0;
-        if constexpr (DETERMINISTIC) {
+        const bool deterministic = p.dq_semaphore != nullptr;
+        if (deterministic) {
             // The K blocks that touch Q block m are [lo, hi); block n adds its share (n - lo)-th.
             int lo, hi;
             mask.kv_block_range<BM, BN>(m, lo, hi);
@@ -218,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                     }
                 }
         }
-        if constexpr (DETERMINISTIC) {
+        if (deterministic) {
             __threadfence();
             __syncthreads();
             if (threadIdx.x == 0) st_release(semaphore, turn + 1);

@@ -14,8 +14,11 @@
 // that cross a mask edge pay for per-element checks; tiles with nothing visible are never loaded.
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
-// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1).
+// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
+// CUFLASH_DROPOUT (0/1: P is dropped after the row sums, so the softmax normalisation is the
+// undropped one, as in FlashAttention).
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
 #include "common/tile.cuh"
@@ -30,6 +33,7 @@ constexpr int MT = BM / (16 * WARPS);  // 16-row m-tiles per warp
 constexpr int THREADS = WARPS * 32;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool ALIBI = CUFLASH_ALIBI;
+constexpr bool DROPOUT = CUFLASH_DROPOUT;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0, "tiles are made of 16x16 mma blocks");
 
@@ -165,6 +169,24 @@ __device__ __forceinline__ void online_softmax(Frag (&s)[MT][KN / 8], Frag (&o)[
     }
 }
 
+// Drop elements of P (kept ones scaled by 1 / (1 - p)); the mask of element (row, key) is a function of
+// (seed, offset, batch * heads + head, row, key) only (common/philox.cuh). row_base, col_base: the
+// (multiple-of-16) row of m-tile 0 and key of this step.
+__device__ __forceinline__ void apply_dropout(Frag (&s)[MT][KN / 8], const Dropout& drop, int bh, int row_base,
+                                              int col_base, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int jj = 0; jj < KN / 16; ++jj) {
+            const u32 bits = drop.keep_bits(bh, row_base + mt * 16, col_base + jj * 16, g, t);
+#pragma unroll
+            for (int ch = 0; ch < 2; ++ch)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)  // element e: row half e / 2, column parity e % 2
+                    s[mt][2 * jj + ch][e] *= (bits >> (4 * ch + e)) & 1u ? drop.scale : 0.f;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -185,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
     const u16* v = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + i64(seq.k_start) * p.v_row_stride;
     float alibi = 0.f;  // ALiBi slope in raw-score units: logits get slope * -|i + diag - j|
     if constexpr (ALIBI) alibi = p.alibi_slopes[head] * 1.44269504088896341f / p.scale_log2;
+    const Dropout drop{p.dropout_seed_lo, p.dropout_seed_hi, p.dropout_offset, p.dropout_threshold, p.dropout_scale};
 
     int n_lo, n_hi;
     mask.kv_block_range<BM, BN>(m_block, n_lo, n_hi);
@@ -223,6 +246,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
             Frag s[MT][KN / 8];
             qk_product(q_addr, k_addr, stage * KV_STAGE_BYTES, sub, s);
             online_softmax(s, o, row_max, row_sum, p, mask, needs_mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+            if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0 + sub, g, t);
             if (sub == 0) {
                 cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
                 __syncthreads();

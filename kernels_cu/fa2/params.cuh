@@ -24,6 +24,8 @@ struct Fa2FwdParams {
     // raw scores r (s, or tanh(softcap_pre * s)) and exponentiates r * scale_log2 in base 2:
     float scale_log2;   // scale * log2(e), or softcap * log2(e) with softcap
     float softcap_pre;  // scale / softcap (used only by softcap variants)
+    u32 dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_threshold;  // common/philox.cuh
+    float dropout_scale;                                                     // 1 / (1 - p)
 };
 
 // The passes before and after the main backward kernel (D = rowsum(dO o O), dQ conversion) are
@@ -54,4 +56,6 @@ struct Fa2BwdParams {
     float scale_log2;   // as in the forward
     float softcap_pre;  // as in the forward
     float scale;        // softmax scale: dK = scale * dS^T Q (dQ gets it on conversion)
+    u32 dropout_seed_lo, dropout_seed_hi, dropout_offset, dropout_threshold;  // as in the forward
+    float dropout_scale;
 };
