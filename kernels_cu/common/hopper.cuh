@@ -1,0 +1,146 @@
+// Hopper (sm_90a) building blocks: TMA tensor copies, mbarriers, wgmma and its shared-memory
+// descriptors, setmaxnreg, named barriers. The FA3-style kernels are written in these words.
+//
+// Shared-memory operands of wgmma here are always "K-major with the 128-byte swizzle": a tile of R rows
+// by 64 16-bit elements (128 bytes per row), stored as TMA writes it with CU_TENSOR_MAP_SWIZZLE_128B —
+// 16-byte chunk c of row r lands at chunk c ^ (r % 8) — so 8-row groups are 1024 bytes apart. Wider
+// tiles (head dim 128 = two 64-column atoms) are stored atom after atom.
+#pragma once
+#include "types.cuh"
+
+// The driver's CUtensorMap is 128 opaque bytes, 64-byte aligned (cuda.h does not compile under
+// NVRTC). The host encodes it (cuflash/_tma.py) and passes it as a const __grid_constant__ parameter.
+struct alignas(64) TensorMap {
+    u64 opaque[16];
+};
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// ---------------------------------------------------------------------------------------------------
+// mbarrier: a transaction counter in shared memory. The producer arms it with the bytes it expects,
+// TMA completes those bytes, and consumers wait on its phase parity.
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals));
+}
+// Make mbarrier.init visible to the async proxy (TMA) before first use.
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_loop:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_loop;\n"
+        "}\n" ::"r"(smem_u32(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// TMA: whole tiles between global and shared memory, described by a tensor map.
+
+// Load the box at coordinates (c0 innermost, c1, c2, c3) into dst; completes `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+        "[%2];" ::"r"(smem_u32(dst)),
+        "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+            smem_u32(dst)),
+        "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
+        : "memory");
+}
+// Store a box from shared memory; the writes must be fenced for the async proxy first (fence_async_smem).
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(map),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;"); }
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// Ordinary shared-memory stores read next by TMA or wgmma need this fence in the writing threads.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---------------------------------------------------------------------------------------------------
+// Warp specialisation: register budgets per warpgroup, and named barriers between warpgroups.
+
+template <int REGS>
+__device__ __forceinline__ void regs_increase() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void regs_decrease() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// wgmma: a warpgroup (4 warps) multiplies a 64 x 16 A by a 16 x N B into a 64 x N fp32 accumulator.
+// Thread layout of the accumulator (per warp w of the group, lane = 4 g + t): for each 8-column group
+// i, acc[4i + 0, 1] = (row 16 w + g, columns 8 i + 2 t, + 1), acc[4i + 2, 3] = (row 16 w + g + 8, ...):
+// the mma.sync C layout repeated; an A fragment in registers follows the mma.sync A layout.
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `p`: leading
+// byte offset unused (1), stride byte offset 1024 (between 8-row groups), swizzle mode 1 (128 B).
+__device__ __forceinline__ u64 wgmma_desc(const void* p) {
+    const u64 addr = (smem_u32(p) & 0x3FFFF) >> 4;
+    return addr | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+}
+// The descriptor of the next 16-element K slice inside a 128-byte atom: 32 bytes further.
+__device__ __forceinline__ u64 wgmma_desc_advance(u64 desc, int bytes) { return desc + u64(bytes >> 4); }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keep the compiler from moving accumulator reads/writes across an in-flight wgmma.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_regs(float (&acc)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// acc (64 x 64, 32 fp32 per thread) (+)= A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major).
+// `accumulate` = 0 overwrites acc. bf16 inputs (CUFLASH_DTYPE 0) or fp16 (1).
+__device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+#if defined(CUFLASH_DTYPE) && CUFLASH_DTYPE == 1
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+#else
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+#endif
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
