@@ -7,6 +7,7 @@
 // tiles (head dim 128 = two 64-column atoms) are stored atom after atom.
 #pragma once
 #include "types.cuh"
+#include "wgmma_ops.cuh"
 
 // The driver's CUtensorMap is 128 opaque bytes, 64-byte aligned (cuda.h does not compile under
 // NVRTC). The host encodes it (cuflash/_tma.py) and passes it as a const __grid_constant__ parameter.
@@ -100,11 +101,19 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // i, acc[4i + 0, 1] = (row 16 w + g, columns 8 i + 2 t, + 1), acc[4i + 2, 3] = (row 16 w + g + 8, ...):
 // the mma.sync C layout repeated; an A fragment in registers follows the mma.sync A layout.
 
-// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled operand starting at `p`: leading
-// byte offset unused (1), stride byte offset 1024 (between 8-row groups), swizzle mode 1 (128 B).
-__device__ __forceinline__ u64 wgmma_desc(const void* p) {
+// Shared-memory matrix descriptor of a 128-byte-swizzled operand starting at `p`: start address,
+// leading and stride byte offsets (all >> 4), swizzle mode 1 (128 B).
+//   K-major (wgmma_desc): leading offset unused (1), stride 1024 bytes between 8-row groups.
+//   MN-major (wgmma_desc_mn): the 8-row groups along K are `k_group_bytes` apart (1024 for a tile
+//   stored as 64-element-wide atoms of 128-byte rows) and the 64-element atoms along MN
+//   `mn_atom_bytes` apart (rows x 128 bytes when atoms are stored one after another).
+__device__ __forceinline__ u64 make_wgmma_desc(const void* p, u32 leading_bytes, u32 stride_bytes) {
     const u64 addr = (smem_u32(p) & 0x3FFFF) >> 4;
-    return addr | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+    return addr | (u64(leading_bytes >> 4) << 16) | (u64(stride_bytes >> 4) << 32) | (u64(1) << 62);
+}
+__device__ __forceinline__ u64 wgmma_desc(const void* p) { return make_wgmma_desc(p, 16, 1024); }
+__device__ __forceinline__ u64 wgmma_desc_mn(const void* p, u32 mn_atom_bytes, u32 k_group_bytes = 1024) {
+    return make_wgmma_desc(p, mn_atom_bytes, k_group_bytes);
 }
 // The descriptor of the next 16-element K slice inside a 128-byte atom: 32 bytes further.
 __device__ __forceinline__ u64 wgmma_desc_advance(u64 desc, int bytes) { return desc + u64(bytes >> 4); }
@@ -122,25 +131,5 @@ __device__ __forceinline__ void wgmma_fence_regs(float (&acc)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
-// acc (64 x 64, 32 fp32 per thread) (+)= A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major).
-// `accumulate` = 0 overwrites acc. bf16 inputs (CUFLASH_DTYPE 0) or fp16 (1).
-__device__ __forceinline__ void wgmma_64x64x16_ss(float (&d)[32], u64 desc_a, u64 desc_b, int accumulate) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %34, 0;\n"
-#if defined(CUFLASH_DTYPE) && CUFLASH_DTYPE == 1
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-#else
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-#endif
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "%32, %33, p, 1, 1, 0, 0;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
-          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
-          "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
+// The wgmma instructions themselves (m64nNk16 for N = 64, 128, 256; A from shared memory or registers;
+// B K-major or MN-major) are generated: common/wgmma_ops.cuh.
