@@ -4,11 +4,11 @@ Names and semantics follow flash-attn, so switching is a change of import.
 """
 from __future__ import annotations
 
-from . import _validate, fa1, fa2
+from . import _validate, fa1, fa2, fa3
 from ._interop import Call
 from .heuristics import IMPL_PREFERENCE
 
-_FAMILIES = {"fa1": fa1, "fa2": fa2}
+_FAMILIES = {"fa1": fa1, "fa2": fa2, "fa3": fa3}
 IMPLS = tuple(_FAMILIES)
 
 _MASK_DOC = """
@@ -42,7 +42,17 @@ def available_impls() -> list[str]:
 
     if not has_gpu():
         return []
-    return [name for name, fam in _FAMILIES.items() if compute_capability() >= fam.MIN_CC]
+    return [name for name, fam in _FAMILIES.items() if _supports_arch(fam, compute_capability()) is None]
+
+
+def _supports_arch(family, cc) -> str | None:
+    """Why ``family`` cannot run on a GPU of compute capability ``cc`` (None when it can)."""
+    if cc < family.MIN_CC:
+        return f"it needs sm_{family.MIN_CC[0]}{family.MIN_CC[1]} or newer (this GPU is sm_{cc[0]}{cc[1]})"
+    archs = getattr(family, "ARCHS", None)  # arch-specific code (sm_90a) runs on that arch only
+    if archs is not None and f"sm_{cc[0]}{cc[1]}a" not in archs:
+        return f"it is built for {', '.join(archs)} only (this GPU is sm_{cc[0]}{cc[1]})"
+    return None
 
 
 def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> str | None:
@@ -50,8 +60,9 @@ def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> s
     supported = family.FWD_FEATURES if direction == "forward" else family.BWD_FEATURES
     if supported is None:
         return f"it has no {direction} kernel yet"
-    if cc < family.MIN_CC:
-        return f"it needs sm_{family.MIN_CC[0]}{family.MIN_CC[1]} or newer (this GPU is sm_{cc[0]}{cc[1]})"
+    why = _supports_arch(family, cc)
+    if why is not None:
+        return why
     if headdim not in family.HEADDIMS:
         return f"head dim {headdim} is not supported (supported: {list(family.HEADDIMS)})"
     missing = sorted(features - supported)
@@ -111,8 +122,8 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     probabilities (after the softmax normalisation, kept ones scaled by 1 / (1 - p)); the mask is a
     function of (``dropout_seed``, ``dropout_offset``, batch, head, row, key) only (Philox, counter
     based), so the backward regenerates it from the same seed and offset and a seed reproduces it;
-    ``cuflash.reference.dropout_mask`` computes it. ``impl``: "fa1", "fa2" or "auto" (the fastest
-    implementation that supports the call on this GPU).
+    ``cuflash.reference.dropout_mask`` computes it. ``impl``: "fa1", "fa2", "fa3" (Hopper) or "auto"
+    (the fastest implementation that supports the call on this GPU).
     """
     import cupy
 

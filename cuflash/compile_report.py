@@ -17,14 +17,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _bwd_aux, fa1, fa2
+from . import _bwd_aux, fa1, fa2, fa3
 from ._jit import Compiled, CompileError, Variant, compile_variant
 
-# Every kernel family contributes its variants here.
+# Every kernel family contributes its variants for an arch here (Hopper-only families return none for
+# other archs).
 VARIANT_SOURCES = {
-    "fa1": fa1.all_variants,
-    "fa2": fa2.all_variants,
-    "bwd_aux": lambda: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
+    "fa1": lambda arch: fa1.all_variants(),
+    "fa2": lambda arch: fa2.all_variants(),
+    "fa3": fa3.all_variants,
+    "bwd_aux": lambda arch: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
 }
 
 # Opcodes that show a kernel uses the hardware it was written for.
@@ -33,11 +35,11 @@ OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "US
 SERIALISING_ADVISORIES = ("C7517", "C7510", "wgmma.wait_group", "serialized", "serialised")
 
 
-def all_variants(family: str | None = None) -> list[Variant]:
+def all_variants(arch: str, family: str | None = None) -> list[Variant]:
     out = []
     for name, source in VARIANT_SOURCES.items():
         if family in (None, name):
-            out += source()
+            out += source(arch)
     return out
 
 
@@ -163,7 +165,7 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def compile_all(arch: str, family: str | None = None) -> list[dict]:
-    return [report_variant(v, arch) for v in all_variants(family)]
+    return [report_variant(v, arch) for v in all_variants(arch, family)]
 
 
 def run(args) -> int:

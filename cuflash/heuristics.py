@@ -84,7 +84,24 @@ FA2_BWD_TILES = {
 }
 
 
+@dataclass(frozen=True)
+class Fa3Tiles:
+    block_n: int  # keys per K/V tile (BLOCK_M is 128: two consumer warpgroups of 64 rows)
+    stages: int  # K/V tiles in flight in the shared-memory ring
+
+
+# head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per
+# thread) next to O (d / 2): block_n = 128 up to d = 128, 64 at d = 256 (O alone is 128 registers).
+# Two stages: Q + 2 x (K + V) is 80 KB at d = 64, 160 KB at d = 128, 192 KB at d = 256.
+FA3_TILES = {
+    64: Fa3Tiles(block_n=128, stages=2),
+    128: Fa3Tiles(block_n=128, stages=2),
+    256: Fa3Tiles(block_n=64, stages=2),
+}
+
+
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. The FA2 backward stays behind FA1 until the H200
-# has checked it (it is still chosen for what only it supports: softcap, ALiBi, deterministic).
+# has checked it (it is still chosen for what only it supports: softcap, ALiBi, deterministic); the FA3
+# forward (impl="fa3") joins the list once it has passed there.
 IMPL_PREFERENCE = {"forward": ("fa2", "fa1"), "backward": ("fa1", "fa2")}

@@ -88,3 +88,17 @@ def test_fa2_uses_tensor_cores_and_cp_async(report):
     for r in fa2_rows:
         ops = r["opcodes"]
         assert ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, r["name"]
+
+
+def test_fa3_uses_hopper_hardware(report):
+    """FA3 variants (sm_90a only): wgmma (HGMMA), TMA loads (UTMALDG), the warpgroup register split
+    (USETMAXREG); no spills and no advisory that serialises wgmma (checked by problems())."""
+    arch, _, rows, _ = report
+    fa3_rows = [r for r in rows if r["family"] == "fa3"]
+    if arch != "sm_90a":
+        assert not fa3_rows
+        return
+    assert fa3_rows
+    for r in fa3_rows:
+        ops = r["opcodes"]
+        assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]

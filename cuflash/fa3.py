@@ -1,0 +1,75 @@
+"""FA3 family (Hopper, sm_90a): variant keys, tensor maps and launches of kernels_cu/fa3/.
+
+Q, K and V reach the kernel as TMA tensor maps (cuflash/_tma.py) over their (batch, seqlen, heads, d)
+layout, so any strides that TMA accepts (16-byte aligned) work without copies.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _tma
+from ._jit import Variant, get_function
+from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, pointer_fields
+from ._validate import Dims
+from .heuristics import FA3_TILES
+
+FAMILY = "fa3"
+HEADDIMS = tuple(sorted(FA3_TILES))
+MIN_CC = (9, 0)
+ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
+FWD_FEATURES = frozenset({"causal", "window", "gqa"})
+BWD_FEATURES = None  # backward: a later issue
+BLOCK_M = 128
+THREADS = 384  # producer + two consumer warpgroups
+
+PARAMS = np.dtype(
+    pointer_fields("o", "lse")
+    + [(f"o_{s}_stride", np.int64) for s in ("batch", "row", "head")]
+    + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
+    + DIMS_FIELDS + [("scale_log2", np.float32)],
+    align=True,
+)
+LOG2E = 1.0 / math.log(2.0)
+
+
+def fwd_variant(headdim: int, dtype: str) -> Variant:
+    t = FA3_TILES[headdim]
+    q_bytes, kv_bytes = BLOCK_M * headdim * 2, t.block_n * headdim * 2
+    smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (1 + 3 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
+    return Variant(
+        FAMILY, "fa3/fwd.cu", "fa3_fwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+        threads=THREADS, smem_bytes=smem,
+    )
+
+
+def all_variants(arch: str = "sm_90a") -> list[Variant]:
+    if arch not in ARCHS:
+        return []
+    return [fwd_variant(d, dtype) for dtype in DTYPE_CODES for d in HEADDIMS]
+
+
+def _tensor_map(a, rows_per_box: int):
+    """A 4-D map over (d, seqlen, heads, batch), innermost first, loading 64 x rows_per_box boxes."""
+    b, s, h, d = a.shape
+    strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
+    return _tma.encode_tiled(a.data.ptr, str(a.dtype), (d, s, h, b), strides, (64, rows_per_box, 1, 1), swizzle=128)
+
+
+def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream) -> None:
+    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q)."""
+    t = FA3_TILES[dims.headdim]
+    variant = fwd_variant(dims.headdim, dims.dtype)
+    map_q, map_k, map_v = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
+    p = np.zeros(1, PARAMS)
+    p["o"], p["lse"] = out.data.ptr, lse.data.ptr
+    item = out.dtype.itemsize
+    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = (out.strides[i] // item for i in (0, 1, 2))
+    fill_row_strides(p, dims, None)
+    fill_dims(p, dims, window)
+    p["scale_log2"] = scale * LOG2E
+    grid = ((dims.seqlen_q + BLOCK_M - 1) // BLOCK_M, dims.heads, dims.batch)
+    get_function(variant)(grid, (THREADS,), (map_q, map_k, map_v, p), shared_mem=variant.smem_bytes, stream=stream)

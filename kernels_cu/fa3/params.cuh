@@ -1,0 +1,14 @@
+// Parameters of the FA3 family besides its tensor maps (which carry q, k, v and their strides).
+// cuflash/fa3.py mirrors this struct as a numpy structured dtype (align=True).
+#pragma once
+#include "../common/types.cuh"
+
+struct Fa3FwdParams {
+    u16* o;
+    float* lse;
+    i64 o_batch_stride, o_row_stride, o_head_stride;
+    i64 row_batch_stride, row_head_stride;  // of the LSE: (batch, heads, seqlen_q)
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;
+    int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
+    float scale_log2;               // softmax scale * log2(e)
+};

@@ -1,0 +1,74 @@
+"""FA3 (Hopper) forward against the fp32 reference by FlashAttention's tolerance rule (GPU tier, sm_90
+only), outputs poisoned: head dims, causal, window, GQA/MQA, odd lengths (1, 113, 239, 1023, 4224),
+Sq != Sk both ways, fp16, strided inputs."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference as ref
+from test_fa1_gpu import _inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _hopper_only():
+    from cuflash import _device
+
+    if _device.has_gpu() and _device.compute_capability() != (9, 0):
+        pytest.skip("FA3 kernels are built for sm_90a")
+
+
+HEADDIMS = (64, 128, 256)
+SEQLENS = [(113, 239), (239, 113), (1, 1023), (1023, 1023), (4224, 129), (7, 1)]
+HEADS = [(4, 4), (6, 2), (4, 1)]
+
+
+def _check(q, k, v, causal=False, window=(-1, -1)):
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, impl="fa3")
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, window_size=window)
+    o_low, _ = ref.attention_ref_lowp(q, k, v, causal=causal, window_size=window)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_forward(poison_allocations, d, causal, seqlens, heads):
+    b = 1 if seqlens[0] > 2000 else 2
+    q, k, v = _inputs(np.random.default_rng(), b, *seqlens, *heads, d, "bfloat16")
+    _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("window", [(32, 0), (17, 40), (-1, 5)])
+def test_window(poison_allocations, d, window):
+    q, k, v = _inputs(np.random.default_rng(), 2, 239, 300, 4, 2, d, "bfloat16")
+    _check(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+def test_fp16(poison_allocations, d):
+    q, k, v = _inputs(np.random.default_rng(), 2, 200, 333, 4, 2, d, "float16")
+    _check(q, k, v, causal=True)
+
+
+def test_strided_inputs(poison_allocations):
+    import cupy
+
+    qkv = cupy.asarray(np.random.default_rng().standard_normal((2, 177, 3, 4, 128), dtype=np.float32))
+    qkv = qkv.astype("bfloat16")
+    _check(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+
+
+def test_misaligned_rows_are_refused_not_faulted():
+    """A row pitch that breaks TMA's 16-byte rule is refused with a clear error before any kernel."""
+    import cupy
+
+    base = cupy.zeros((1, 64, 2, 64 + 4), dtype="bfloat16")
+    q = base[..., :64]  # head stride 68 elements = 136 bytes: not a multiple of 16
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        cuflash.flash_attn_func(q, q, q, impl="fa3")
