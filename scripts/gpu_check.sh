@@ -19,8 +19,19 @@ for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
     tests)
-      python3 -m pytest tests -q -m gpu -p no:cacheprovider --timeout=900 ${PYTEST_ARGS:-} 2>&1 \
-        | tee "$OUT/pytest-gpu.log" | grep -vE '^\s*$' | tail -40 || status=1 ;;
+      # Kernels that can hang (mbarrier waits) or fault run in their own processes, each under a
+      # timeout, so one bad kernel cannot take the rest of the tier with it.
+      risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_fuzz_gpu.py"
+      ignore=""; for f in $risky; do ignore="$ignore --ignore=$f"; done
+      timeout 900 python3 -m pytest tests -q -m gpu -p no:cacheprovider $ignore ${PYTEST_ARGS:-} \
+        > "$OUT/pytest-gpu.log" 2>&1 || status=1
+      grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log"
+      for f in $risky; do
+        name=$(basename "$f" .py)
+        timeout 600 python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/$name.log" 2>&1 \
+          || status=1
+        echo "$name: $(grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -5)"; tail -1 "$OUT/$name.log"
+      done ;;
     bench)
       for suite in prefill backward; do
         python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" --svg "$OUT/h200-$suite.svg" \
