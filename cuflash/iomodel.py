@@ -23,8 +23,8 @@ and tile sizes (``cuflash.heuristics`` by default):
     (the causal / window tiles; fully masked tiles are never loaded), then writes its O rows and their
     fp32 log-sum-exp. Rows past the end of a sequence are zero-filled in shared memory, not read. FA1
     loads the Q tile even when the range is empty; FA2 does not. With GQA every query head's blocks read
-    the K/V of their KV head again. So K+V ≈ 2·e·B·H·⌈Sq/BLOCK_M⌉·Sk·d (·≈½ causal) ≈ 2·e·B·H·Sq·Sk·d /
-    BLOCK_M: Θ(N²·d²/M) with M ∝ BLOCK_M·d the shared memory that holds the Q tile.
+    the K/V of their KV head again. So K+V ≈ 2·e·B·H·⌈Sq/BLOCK_M⌉·Sk·d (·≈½ causal)
+    ≈ 2·e·B·H·Sq·Sk·d / BLOCK_M: Θ(N²·d²/M) with M ∝ BLOCK_M·d the shared memory that holds the Q tile.
 
 ``fa1`` / ``fa2`` backward -- three kernels (kernels_cu/common/bwd_aux.cu and the family's bwd.cu):
     ``bwd_preprocess`` reads O and dO, writes D = rowsum(dO∘O) (fp32) and zeroes the fp32 dQ accumulator;
@@ -351,7 +351,7 @@ class _Passes:
 
     def __init__(self, s: _Shape, matmul: str):
         self.s, self.matmul, self.kernels = s, matmul, []
-        b, h, hkv, sq, sk, d, e = s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, s.headdim, s.e
+        b, h, hkv, sq, sk, d = s.batch, s.heads, s.kv_heads, s.seqlen_q, s.seqlen_k, s.headdim
         self.ss = b * h * sq * sk  # score elements
         self.rows = b * h * sq
         self.nq = b * sq * h * d  # elements of q, o, do, dq
@@ -509,13 +509,13 @@ def _tiles(impl: str, direction: str, headdim: int, block_m, block_n) -> dict:
             raise ValueError(f"the fa1 backward has BLOCK_M = BLOCK_N (16 x bwd_key_warps); got {block_m}, {block_n}")
         block = block_m or block_n or (16 * row.bwd_key_warps if row else None)
         if block is None:
-            raise ValueError(f"fa1 has no backward tiles for head dim {headdim} (table: {sorted(heuristics.FA1_TILES)});"
-                             f" pass block_m=")
+            raise ValueError(f"fa1 has no backward tiles for head dim {headdim} "
+                             f"(table: {sorted(heuristics.FA1_TILES)}); pass block_m=")
         return {"block_m": block, "block_n": block, "d_split": row.bwd_d_split if row else 1}
     row = heuristics.FA2_BWD_TILES.get(headdim)
     if row is None and (block_m is None or block_n is None):
-        raise ValueError(f"fa2 has no backward tiles for head dim {headdim} (table: {sorted(heuristics.FA2_BWD_TILES)}); "
-                         f"pass block_m= and block_n=")
+        raise ValueError(f"fa2 has no backward tiles for head dim {headdim} "
+                         f"(table: {sorted(heuristics.FA2_BWD_TILES)}); pass block_m= and block_n=")
     return {"block_m": block_m or row.block_m, "block_n": block_n or row.block_n}
 
 
@@ -532,8 +532,9 @@ def _formula(impl: str, direction: str, s: _Shape, tiles: dict, naive_per_score:
         return (f"≈ {naive_per_score:g}·B·H·Sq·Sk (bytes per score: the S/P passes in the input dtype and in "
                 f"fp32) + O(B·H·N·d), e = {s.e} -- Θ(N·d + N²)")
     if direction == "forward":
-        return (f"K,V re-reads 2·e·B·H·⌈Sq/BLOCK_M⌉·Sk·d ≈ 2·e·B·H·Sq·Sk·d/BLOCK_M{half}; Q, O: 2·e·B·H·Sq·d; "
-                f"LSE: 4·B·H·Sq (e = {s.e}, BLOCK_M = {tiles['block_m']}) -- Θ(N²·d²/M), M ∝ BLOCK_M·d")
+        return (f"K,V re-reads 2·e·B·H·⌈Sq/BLOCK_M⌉·Sk·d ≈ 2·e·B·H·Sq·Sk·d/BLOCK_M{half}; "
+                f"Q, O: 2·e·B·H·Sq·d; LSE: 4·B·H·Sq (e = {s.e}, BLOCK_M = {tiles['block_m']}) -- Θ(N²·d²/M), "
+                f"M ∝ BLOCK_M·d")
     return (f"Q, dO (2·e·d), dQ accumulator fp32 read+write (8·d), LSE and D (8) per visited row: "
             f"≈ B·H·Sq·Sk·(2·e·d + 8·d + 8)/BLOCK_N{half}; K, V, dK, dV: 4·e·B·Hkv·Sk·d; preprocess + dQ "
             f"conversion: B·H·Sq·((3·e + 8)·d + 4) (e = {s.e}, BLOCK_N = {tiles['block_n']}) -- Θ(N²·d²/M), "
@@ -588,7 +589,8 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
         tiles = {}
         kernels, quadratic = _naive(s, direction, naive_matmul)
         visited, total = 1, 1
-        naive_per_score = (quadratic - (s.seqlen_q * s.seqlen_k * 7 if s.causal else 0)) / (batch * heads * seqlen_q * seqlen_k)
+        mask_build = 7 * seqlen_q * seqlen_k if s.causal else 0  # once, not per (batch, head)
+        naive_per_score = (quadratic - mask_build) / (batch * heads * seqlen_q * seqlen_k)
     else:
         tiles = _tiles(impl, direction, headdim, block_m, block_n)
         bm, bn = tiles["block_m"], tiles["block_n"]
@@ -746,7 +748,8 @@ def _print_table(results: list[dict], notes: list[str], args) -> None:
             console.print(f"  {r['impl']}: {r['formula']}", highlight=False)
     wave = "the whole grid" if args.wave_blocks is None else f"{args.wave_blocks} blocks"
     for line in (
-        "Theorem 2 (FlashAttention): standard attention makes Θ(N·d + N²) HBM accesses, the tiled one Θ(N²·d²/M).",
+        "Theorem 2 (FlashAttention): standard attention makes Θ(N·d + N²) HBM accesses, "
+        "the tiled one Θ(N²·d²/M).",
         "HBM GB: no L2 reuse between thread blocks or passes; min (L2): perfect L2 reuse within a wave "
         f"({wave}). N² part: the share of bytes that grows with Sq·Sk.",
         "FLOPs: matmuls only (2 per multiply-add); exec = whole visited tiles, useful = visible pairs; "
