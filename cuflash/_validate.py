@@ -13,6 +13,8 @@ from ._interop import Spec
 
 FLOAT16_DTYPES = ("bfloat16", "float16")
 _ALIGN_BYTES = 16  # kernels move 16-byte vectors: row starts must be 16-byte aligned
+_MAX_GRID_YZ = 65535  # heads and batch are grid dimensions y and z
+_MAX_SEQLEN = 2 ** 30 - 1  # the kernels' mask arithmetic (row + diag + right) stays in int32 below 2^30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +92,9 @@ def check_qkv(q: Spec, k: Spec, v: Spec) -> Dims:
         raise ValueError(f"seqlen_q must be at least 1; got q of shape {_shape_str(q)} (empty sequences)")
     if sk < 1:
         raise ValueError(f"seqlen_k must be at least 1; got k of shape {_shape_str(k)} (empty sequences)")
-    return Dims(b, sq, sk, h, hk, d, q.dtype)
+    dims = Dims(b, sq, sk, h, hk, d, q.dtype)
+    check_launch_limits(dims)
+    return dims
 
 
 def check_like(spec: Spec, ref: Spec, packed: bool = False) -> None:
@@ -200,7 +204,9 @@ def check_varlen(q: Spec, k: Spec, v: Spec, cu_q: Spec, cu_k: Spec, max_seqlen_q
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be an int >= 0; got {value!r}")
-    return Dims(cu_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), h, hk, d, q.dtype)
+    dims = Dims(cu_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), h, hk, d, q.dtype)
+    check_launch_limits(dims)
+    return dims
 
 
 def check_cu_seqlens_values(name: str, cu, total: int, max_seqlen: int, max_name: str) -> None:
@@ -238,3 +244,14 @@ def dropout_args(dropout_p, dropout_seed, dropout_offset):
             or not 0 <= dropout_offset < 2 ** 32:
         raise ValueError(f"dropout_offset must be an int in [0, 2**32); got {dropout_offset!r}")
     return float(dropout_p), int(dropout_seed), int(dropout_offset)
+
+
+def check_launch_limits(dims: Dims) -> None:
+    """Sizes the kernels' grids and int32 index arithmetic can take."""
+    if dims.batch > _MAX_GRID_YZ:
+        raise ValueError(f"batch must be at most {_MAX_GRID_YZ} (a CUDA grid dimension); got {dims.batch}")
+    if dims.heads > _MAX_GRID_YZ:
+        raise ValueError(f"heads must be at most {_MAX_GRID_YZ} (a CUDA grid dimension); got {dims.heads}")
+    for name, value in (("seqlen_q", dims.seqlen_q), ("seqlen_k", dims.seqlen_k)):
+        if value > _MAX_SEQLEN:
+            raise ValueError(f"{name} must be below 2**30; got {value}")

@@ -129,3 +129,12 @@ def test_unknown_impl_is_refused():
 
     with pytest.raises(ValueError, match="impl must be one of"):
         api._pick_impl("fa9", 64, 0)
+
+
+def test_launch_limits():
+    with pytest.raises(ValueError, match="batch must be at most 65535"):
+        _validate.check_qkv(*qkv(b=70000))
+    with pytest.raises(ValueError, match="heads must be at most 65535"):
+        _validate.check_qkv(*qkv(h=70000, hkv=1))
+    with pytest.raises(ValueError, match="seqlen_k must be below 2\\*\\*30"):
+        _validate.check_qkv(*qkv(sk=2 ** 30))
