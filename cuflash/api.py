@@ -108,6 +108,22 @@ def _features(causal: bool, window: tuple, softcap: float, alibi_slopes, determi
     return feats
 
 
+def _kernel_options(softcap: float, alibi_slopes, dropout, deterministic: bool = False, cu_seqlens=None) -> dict:
+    """The optional keyword arguments of a family's forward/backward for the features a call uses."""
+    options = {}
+    if softcap:
+        options["softcap"] = softcap
+    if alibi_slopes is not None:
+        options["alibi_slopes"] = alibi_slopes
+    if dropout is not None:
+        options["dropout"] = dropout
+    if deterministic:
+        options["deterministic"] = True
+    if cu_seqlens is not None:
+        options["cu_seqlens"] = cu_seqlens
+    return options
+
+
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
                     impl="auto"):
@@ -143,14 +159,8 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
         qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        extra = {}
-        if softcap:
-            extra["softcap"] = softcap
-        if alibi_slopes is not None:
-            extra["alibi_slopes"] = call.arrays[3]
-        if dropout is not None:
-            extra["dropout"] = dropout
-        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
+        options = _kernel_options(softcap, call.arrays[3] if alibi_slopes is not None else None, dropout)
+        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **options)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
@@ -194,15 +204,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         dv = cupy.empty_like(dk)
         dq_accum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q, dims.headdim), dtype=cupy.float32)
         dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        extra = {}
-        if softcap:
-            extra["softcap"] = softcap
-        if alibi_slopes is not None:
-            extra["alibi_slopes"] = call.arrays[6]
-        if deterministic:
-            extra["deterministic"] = True
+        options = _kernel_options(softcap, call.arrays[6] if alibi_slopes is not None else None, dropout,
+                                  deterministic)
         family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
-                        **extra)
+                        **options)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 
@@ -256,14 +261,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out = cupy.zeros(qa.shape, dtype=qa.dtype)
         lse = cupy.full((dims.heads, qa.shape[0]), -cupy.inf, dtype=cupy.float32)
         if dims.batch and dims.seqlen_q:
-            extra = {"cu_seqlens": (cu_q, cu_k)}
-            if softcap:
-                extra["softcap"] = softcap
-            if alibi_slopes is not None:
-                extra["alibi_slopes"] = call.arrays[5]
-            if dropout is not None:
-                extra["dropout"] = dropout
-            family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **extra)
+            options = _kernel_options(softcap, call.arrays[5] if alibi_slopes is not None else None, dropout,
+                                      cu_seqlens=(cu_q, cu_k))
+            family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **options)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
@@ -306,17 +306,10 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         if dims.batch and dims.seqlen_q and dims.seqlen_k:
             dq_accum = cupy.empty((dims.heads, qa.shape[0], dims.headdim), dtype=cupy.float32)
             dsum = cupy.empty((dims.heads, qa.shape[0]), dtype=cupy.float32)
-            extra = {"cu_seqlens": (cu_q, cu_k)}
-            if softcap:
-                extra["softcap"] = softcap
-            if alibi_slopes is not None:
-                extra["alibi_slopes"] = call.arrays[8]
-            if deterministic:
-                extra["deterministic"] = True
-            if dropout is not None:
-                extra["dropout"] = dropout
+            options = _kernel_options(softcap, call.arrays[8] if alibi_slopes is not None else None, dropout,
+                                      deterministic, cu_seqlens=(cu_q, cu_k))
             family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
-                            **extra)
+                            **options)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 
