@@ -187,6 +187,8 @@ def check_varlen(q: Spec, k: Spec, v: Spec, cu_q: Spec, cu_k: Spec, max_seqlen_q
         raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
     _, h, d = q.shape
     _, hk, dk = k.shape
+    if h < 1:
+        raise ValueError(f"q must have at least one head; got shape {_shape_str(q)}")
     if dk != d:
         raise ValueError(f"k and v must have q's head dim {d}; got {dk}")
     if hk < 1 or h % hk:

@@ -288,6 +288,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         if lses.shape != want or lses.dtype != "float32" or lses.strides != (qs.shape[0], 1):
             raise ValueError(f"lse must be a contiguous float32 array of shape (heads, total_q) = {want}; got "
                              f"{lses.dtype} {lses.shape} with strides {lses.strides}")
+        _validate.check_same_device([qs, lses])
         scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
         window = _validate.window_bounds(window_size, causal, dims)
         softcap = _validate.softcap_value(softcap)

@@ -12,7 +12,10 @@ How it runs without a GPU:
   * "host" rows go through the real ``Call``: host arrays (numpy), host DLPack objects and non-arrays
     are refused with a TypeError naming the argument, before anything is converted.
   * a few rows call a validator directly (``_validate.check_headdim``).
-Row ids read "function-argument-problem".
+The variable-length functions run on Specs too: their ``cu_seqlens_*`` Specs carry the offsets, and
+``.get()`` (the host copy ``validate=True`` makes) returns them, so the checks of the values run as well.
+Row ids read "function-argument-problem"; a few arguments are sizes rather than parameters ("headdim",
+"batch", "heads", "seqlen_q", "seqlen_k": the grid and int32 launch limits).
 """
 from __future__ import annotations
 
@@ -33,8 +36,27 @@ from cuflash._interop import Spec
 
 B, SQ, SK, H, HKV, D = 2, 64, 80, 8, 2, 64
 GOOD_CC = (9, 0)
-FWD_ARRAYS = ("q", "k", "v")
-BWD_ARRAYS = ("dout", "q", "k", "v", "out", "lse")
+# packed (variable-length) inputs: three sequences, one of them empty, and unused rows after the last
+CU_Q, CU_K = (0, 17, 17, 60), (0, 30, 50, 80)
+TQ, TK = 64, 80  # packed rows of q and of k/v
+MAXQ, MAXK = 43, 30  # the longest sequences of CU_Q and CU_K
+FIXED = ("flash_attn_func", "flash_attn_backward")
+VARLEN = ("flash_attn_varlen_func", "flash_attn_varlen_backward")
+PUBLIC = FIXED + VARLEN
+DIRECTION = {"flash_attn_func": "forward", "flash_attn_backward": "backward",
+             "flash_attn_varlen_func": "forward", "flash_attn_varlen_backward": "backward"}
+# the positional arguments of each public function, in signature order
+# (test_positional_arguments_match_the_signatures keeps this honest)
+POSITIONAL = {
+    "flash_attn_func": ("q", "k", "v"),
+    "flash_attn_backward": ("dout", "q", "k", "v", "out", "lse"),
+    "flash_attn_varlen_func": ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+    "flash_attn_varlen_backward": ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                                   "max_seqlen_q", "max_seqlen_k"),
+}
+SCALARS = ("max_seqlen_q", "max_seqlen_k")  # positional but not arrays
+ARRAY_ARGS = {fn: tuple(n for n in names if n not in SCALARS) for fn, names in POSITIONAL.items()}
+FWD_ARRAYS, BWD_ARRAYS = ARRAY_ARGS["flash_attn_func"], ARRAY_ARGS["flash_attn_backward"]
 FAMILIES = dict(api._FAMILIES)
 ALL_HEADDIMS = sorted({d for fam in FAMILIES.values() for d in fam.HEADDIMS})
 
@@ -69,6 +91,40 @@ def slopes(n=H, dtype="float32", strides=None, device=0):
     return spec((n,), dtype, strides=strides, device=device)
 
 
+@dataclasses.dataclass(frozen=True)
+class CuSpec(Spec):
+    """A cu_seqlens Spec that also holds its offsets: ``.get()`` is the host copy ``validate=True`` reads."""
+
+    values: tuple = ()
+
+    def get(self):
+        return np.asarray(self.values, dtype=np.int32)
+
+
+def cu(values, dtype="int32", shape=None, strides=None, device=0) -> CuSpec:
+    values = tuple(values)
+    shape = (len(values),) if shape is None else tuple(shape)
+    base = spec(shape, dtype, strides=strides, device=device)
+    return CuSpec(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Spec)}, values=values)
+
+
+def varlen_arrays(tq=TQ, tk=TK, h=H, hkv=HKV, d=D, dtype="bfloat16", cu_q=CU_Q, cu_k=CU_K, max_q=MAXQ, max_k=MAXK,
+                  **over) -> dict:
+    """Good positional arguments of both variable-length functions (packed Specs, offsets, maxima), then
+    ``over`` replaces some."""
+    out = {
+        "q": spec((tq, h, d), dtype), "k": spec((tk, hkv, d), dtype), "v": spec((tk, hkv, d), dtype),
+        "out": spec((tq, h, d), dtype), "dout": spec((tq, h, d), dtype), "lse": spec((h, tq), "float32"),
+        "cu_seqlens_q": cu(cu_q), "cu_seqlens_k": cu(cu_k), "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+    }
+    out.update(over)
+    return out
+
+
+def default_arrays(fn) -> dict:
+    return varlen_arrays() if fn in VARLEN else arrays()
+
+
 # ----------------------------------------------------------------------------------------------------
 # the table
 # ----------------------------------------------------------------------------------------------------
@@ -82,6 +138,7 @@ class Case(NamedTuple):
     exc: type
     words: tuple  # substrings the message must contain
     cc: tuple = GOOD_CC  # the compute capability the "spec" environment reports
+    gap: str = ""  # a known hole in the checks: the row is a strict xfail until it is closed
 
     @property
     def id(self):
@@ -89,24 +146,37 @@ class Case(NamedTuple):
 
 
 def _public(fn_name, arrs, kwargs):
-    names = FWD_ARRAYS if fn_name == "flash_attn_func" else BWD_ARRAYS
     fn = getattr(cuflash, fn_name)
-    return lambda: fn(*(arrs[n] for n in names), **kwargs)
+    return lambda: fn(*(arrs[n] for n in POSITIONAL[fn_name]), **kwargs)
 
 
 CASES: list[Case] = []
 
 
-def add(fn, arg, problem, exc, words, *, arrs=None, mode="spec", call=None, cc=GOOD_CC, **kwargs):
-    """One row; ``kwargs`` are the public function's keyword arguments."""
+def add(fn, arg, problem, exc, words, *, arrs=None, mode="spec", call=None, cc=GOOD_CC, gap="", **kwargs):
+    """One row; ``arrs`` the positional arguments by name (default: good ones for ``fn``), ``kwargs`` the
+    public function's keyword arguments."""
     if call is None:
-        call = _public(fn, arrs if arrs is not None else arrays(), kwargs)
-    CASES.append(Case(fn, arg, problem, mode, call, exc, tuple(words), cc))
+        call = _public(fn, arrs if arrs is not None else default_arrays(fn), kwargs)
+    CASES.append(Case(fn, arg, problem, mode, call, exc, tuple(words), cc, gap))
 
 
 def both(arg, problem, exc, words, **kw):
-    """The same problem through both public functions (they share the q/k/v/scale/window/impl checks)."""
-    for fn in ("flash_attn_func", "flash_attn_backward"):
+    """The same problem through both fixed-length functions (they share the q/k/v/scale/window/impl checks)."""
+    for fn in FIXED:
+        add(fn, arg, problem, exc, words, **kw)
+
+
+def packed(arg, problem, exc, words, **kw):
+    """The same problem through both variable-length functions (they share check_varlen and the host checks)."""
+    for fn in VARLEN:
+        add(fn, arg, problem, exc, words, **kw)
+
+
+def every(arg, problem, exc, words, **kw):
+    """The same problem through all four public functions (keyword arguments only: the arrays are each
+    function's good defaults)."""
+    for fn in PUBLIC:
         add(fn, arg, problem, exc, words, **kw)
 
 
@@ -158,12 +228,34 @@ for arg in ("k", "v"):
     both(arg, "other_device", ValueError, [f"{arg} is on CUDA device 1 but q is on device 0"],
          arrs=arrays(**{arg: dataclasses.replace(arrays()[arg], device=1)}))
 
-# --- head dim and implementation choice (both functions) ---------------------------------------------
+# --- launch limits: grid dimensions y/z (heads, batch) and the int32 mask arithmetic (seqlens < 2**30) --
+both("batch", "over_grid_limit_65536", ValueError, ["batch must be at most 65535 (a CUDA grid dimension)", "got 65536"],
+     arrs=arrays(b=65536))
+both("heads", "over_grid_limit_65536", ValueError, ["heads must be at most 65535 (a CUDA grid dimension)", "got 65536"],
+     arrs=arrays(h=65536))
+both("heads", "over_grid_limit_with_mqa", ValueError, ["heads must be at most 65535", "got 70000"],
+     arrs=arrays(h=70000, hkv=1))
+both("seqlen_q", "at_2_30", ValueError, ["seqlen_q must be below 2**30", f"got {2 ** 30}"], arrs=arrays(sq=2 ** 30))
+both("seqlen_k", "at_2_30", ValueError, ["seqlen_k must be below 2**30", f"got {2 ** 30}"], arrs=arrays(sk=2 ** 30))
+both("seqlen_q", "at_2_31", ValueError, ["seqlen_q must be below 2**30", f"got {2 ** 31}"], arrs=arrays(sq=2 ** 31))
+packed("batch", "over_grid_limit_65536", ValueError, ["batch must be at most 65535", "got 65536"],
+       arrs=varlen_arrays(cu_q=(0,) * 65537, cu_k=(0,) * 65537))
+packed("heads", "over_grid_limit_65536", ValueError, ["heads must be at most 65535", "got 65536"],
+       arrs=varlen_arrays(h=65536))
+packed("seqlen_q", "max_seqlen_q_at_2_30", ValueError, ["seqlen_q must be below 2**30", f"got {2 ** 30}"],
+       arrs=varlen_arrays(max_q=2 ** 30))
+packed("seqlen_k", "max_seqlen_k_at_2_30", ValueError, ["seqlen_k must be below 2**30", f"got {2 ** 30}"],
+       arrs=varlen_arrays(max_k=2 ** 30))
+
+# --- head dim and implementation choice (all four functions) ------------------------------------------
 for d in (8, 80, 512):
     both("headdim", f"{d}_unsupported", ValueError,
          ["no cuflash implementation can run this", f"head dim {d} is not supported", "supported: ["],
          arrs=arrays(d=d))
-for direction, fn in (("forward", "flash_attn_func"), ("backward", "flash_attn_backward")):
+    packed("headdim", f"{d}_unsupported", ValueError,
+           ["no cuflash implementation can run this", f"head dim {d} is not supported", "supported: ["],
+           arrs=varlen_arrays(d=d))
+for fn, direction in DIRECTION.items():
     for name, fam in FAMILIES.items():
         if (fam.FWD_FEATURES if direction == "forward" else fam.BWD_FEATURES) is None:
             add(fn, "impl", f"{name}_has_no_{direction}", ValueError,
@@ -173,35 +265,32 @@ for direction, fn in (("forward", "flash_attn_func"), ("backward", "flash_attn_b
             if d not in fam.HEADDIMS:
                 add(fn, "impl", f"{name}_headdim_{d}", ValueError,
                     [f"impl={name!r}", f"head dim {d} is not supported", str(list(fam.HEADDIMS))],
-                    arrs=arrays(d=d), impl=name)
+                    arrs=varlen_arrays(d=d) if fn in VARLEN else arrays(d=d), impl=name)
         add(fn, "impl", f"{name}_gpu_too_old", ValueError,
             [f"impl={name!r}", f"sm_{fam.MIN_CC[0]}{fam.MIN_CC[1]} or newer", "sm_75"], impl=name, cc=(7, 5))
     for problem, bad in (("unknown_fa9", "fa9"), ("empty_string", ""), ("none", None), ("wrong_case_FA2", "FA2"),
                          ("int", 2)):
         add(fn, "impl", problem, ValueError, ["impl must be one of", repr(bad)], impl=bad)
 
-# --- scalars: softmax_scale, window_size, causal (both functions) -------------------------------------
+# --- scalars: softmax_scale, window_size, causal (all four functions) ---------------------------------
 for bad in (0.0, -1.0, math.nan, math.inf, -math.inf):
-    both("softmax_scale", f"value_{bad}", ValueError, ["softmax_scale must be a finite positive number", str(bad)],
+    every("softmax_scale", f"value_{bad}", ValueError, ["softmax_scale must be a finite positive number", str(bad)],
          softmax_scale=bad)
 for bad in ("0.1", True, [0.1], 1j):
-    both("softmax_scale", f"type_{type(bad).__name__}", TypeError,
-         ["softmax_scale must be a float or None", type(bad).__name__], softmax_scale=bad)
+    every("softmax_scale", f"type_{type(bad).__name__}", TypeError,
+          ["softmax_scale must be a float or None", type(bad).__name__], softmax_scale=bad)
 for bad in ((-2, 0), (0, -2), (-5, -5)):
-    both("window_size", f"entry_below_-1_{bad[0]}_{bad[1]}", ValueError, ["window_size entries must be >= -1", str(bad)],
-         window_size=bad)
+    every("window_size", f"entry_below_-1_{bad[0]}_{bad[1]}", ValueError,
+          ["window_size entries must be >= -1", str(bad)], window_size=bad)
 for problem, bad in (("one_entry", (1,)), ("three_entries", (1, 2, 3)), ("float_entry", (1.5, 2)), ("string", "ab"),
                      ("none", None), ("bool_entry", (True, 0)), ("int", 4), ("string_entries", ("1", "2"))):
-    both("window_size", problem, TypeError, ["window_size must be a pair of ints (left, right)", repr(bad)],
-         window_size=bad)
+    every("window_size", problem, TypeError, ["window_size must be a pair of ints (left, right)", repr(bad)],
+          window_size=bad)
 for bad in (1, "yes", None):
-    both("causal", f"type_{type(bad).__name__}", TypeError, ["causal must be a bool", type(bad).__name__],
-         causal=bad)
+    every("causal", f"type_{type(bad).__name__}", TypeError, ["causal must be a bool", type(bad).__name__],
+          causal=bad)
 
-# --- softcap, alibi_slopes (every public function that takes them: the forward today) ----------------
-PUBLIC = ("flash_attn_func", "flash_attn_backward")
-DIRECTION = {"flash_attn_func": "forward", "flash_attn_backward": "backward"}
-
+# --- softcap, alibi_slopes, deterministic, dropout (every public function that takes them) ------------
 
 def _takes(fn, arg):
     return arg in inspect.signature(getattr(cuflash, fn)).parameters
@@ -253,6 +342,11 @@ for fn in PUBLIC:
         feats = fam.FWD_FEATURES if DIRECTION[fn] == "forward" else fam.BWD_FEATURES
         if feats is None:
             continue
+        if fn in VARLEN and "varlen" not in feats:
+            # every variable-length call needs "varlen": that is the reason, whatever else is asked for
+            add(fn, "impl", f"{name}_without_varlen", ValueError,
+                [f"impl={name!r}", f"its {DIRECTION[fn]} does not support varlen"], impl=name)
+            continue
         if _takes(fn, "softcap") and "softcap" not in feats:
             add(fn, "impl", f"{name}_with_softcap", ValueError,
                 [f"impl={name!r}", f"its {DIRECTION[fn]} does not support softcap"], softcap=5.0, impl=name)
@@ -260,6 +354,8 @@ for fn in PUBLIC:
             add(fn, "impl", f"{name}_with_alibi_slopes", ValueError,
                 [f"impl={name!r}", f"its {DIRECTION[fn]} does not support alibi"], alibi_slopes=slopes(), impl=name)
         optional = [("causal", dict(causal=True)), ("window", dict(window_size=(8, 8)))]
+        if _takes(fn, "dropout_p"):
+            optional.append(("dropout", dict(dropout_p=0.1, dropout_seed=1)))
         if _takes(fn, "deterministic"):
             optional.append(("deterministic", dict(deterministic=True)))
         for feat, kw in optional:
@@ -304,7 +400,150 @@ add(BW, "lse", "other_device", ValueError, ["lse is on CUDA device 1 but q is on
     arrs=arrays(lse=spec((B, H, SQ), "float32", device=1)))
 
 
-# --- host memory and non-arrays through the real Call (both functions, every array argument) ----------
+# --- variable-length functions: packed q, k, v (rank 3: (total, heads, headdim)) ---------------------
+packed("q", "rank4_padded_batch", ValueError,
+       ["q must have 3 dimensions", "(total_tokens, heads, headdim)", "(2, 64, 8, 64)"],
+       arrs=varlen_arrays(q=spec((B, SQ, H, D))))
+packed("q", "rank2", ValueError, ["q must have 3 dimensions", "(64, 512)"], arrs=varlen_arrays(q=spec((TQ, H * D))))
+packed("k", "rank4", ValueError, ["k must have 3 dimensions", "(1, 80, 2, 64)"],
+       arrs=varlen_arrays(k=spec((1, TK, HKV, D)), v=spec((1, TK, HKV, D))))
+packed("v", "rank2", ValueError, ["v must have 3 dimensions"], arrs=varlen_arrays(v=spec((TK, HKV * D))))
+for arg, dt in (("q", "float32"), ("k", "int8"), ("v", "float32"), ("q", "float64")):
+    packed(arg, f"dtype_{dt}", TypeError, [f"{arg} must be float16 or bfloat16", dt],
+           arrs=varlen_arrays(**{arg: spec(varlen_arrays()[arg].shape, dt)}))
+packed("k", "dtype_differs_from_q", TypeError, ["k must have the dtype of q (bfloat16)", "float16"],
+       arrs=varlen_arrays(k=spec((TK, HKV, D), "float16")))
+packed("v", "dtype_differs_from_q", TypeError, ["v must have the dtype of q (float16)", "bfloat16"],
+       arrs=varlen_arrays(dtype="float16", v=spec((TK, HKV, D), "bfloat16")))
+packed("v", "rows_differ_from_k", ValueError, ["k and v must have the same shape", "(81, 2, 64)"],
+       arrs=varlen_arrays(v=spec((TK + 1, HKV, D))))
+packed("v", "heads_differ_from_k", ValueError, ["k and v must have the same shape", "(80, 4, 64)"],
+       arrs=varlen_arrays(v=spec((TK, 4, D))))
+packed("k", "headdim_mismatch", ValueError, ["k and v must have q's head dim 64", "got 128"],
+       arrs=varlen_arrays(k=spec((TK, HKV, 128)), v=spec((TK, HKV, 128))))
+packed("k", "heads_not_divisible", ValueError, ["query heads (8)", "multiple", "KV heads in k/v (3)"],
+       arrs=varlen_arrays(hkv=3))
+packed("k", "more_kv_heads_than_heads", ValueError, ["query heads (8)", "KV heads in k/v (16)"],
+       arrs=varlen_arrays(hkv=16))
+packed("k", "zero_kv_heads", ValueError, ["query heads (8)", "KV heads in k/v (0)"], arrs=varlen_arrays(hkv=0))
+packed("q", "zero_heads", ValueError, ["q must have at least one head", "(64, 0, 64)"], arrs=varlen_arrays(h=0))
+for arg in ("q", "k", "v"):
+    shape = varlen_arrays()[arg].shape
+    packed(arg, "headdim_not_contiguous", ValueError,
+           [f"{arg}'s last dimension (headdim) must be contiguous (stride 1)", "got strides"],
+           arrs=varlen_arrays(**{arg: spec(shape, strides=(2 * shape[1] * D, 2 * D, 2))}))
+packed("q", "tokens_stride_unaligned", ValueError,
+       ["q's tokens stride must be a multiple of 16 bytes (8 elements)", "516"],
+       arrs=varlen_arrays(q=spec((TQ, H, D), strides=(H * D + 4, D, 1))))
+packed("k", "tokens_stride_unaligned", ValueError, ["k's tokens stride must be a multiple of 16 bytes", "130"],
+       arrs=varlen_arrays(k=spec((TK, HKV, D), strides=(130, 64, 1))))
+packed("v", "heads_stride_unaligned", ValueError, ["v's heads stride must be a multiple of 16 bytes", "68"],
+       arrs=varlen_arrays(v=spec((TK, HKV, D), strides=(HKV * 68, 68, 1))))
+for arg, ptr in (("q", 0x10002), ("k", 0x10008), ("v", 0x1000E)):
+    packed(arg, "pointer_unaligned", ValueError, [f"{arg}'s data must start at a 16-byte aligned address", hex(ptr)],
+           arrs=varlen_arrays(**{arg: dataclasses.replace(varlen_arrays()[arg], ptr=ptr)}))
+for arg in ("k", "v", "cu_seqlens_q", "cu_seqlens_k"):
+    packed(arg, "other_device", ValueError, [f"{arg} is on CUDA device 1 but q is on device 0"],
+           arrs=varlen_arrays(**{arg: dataclasses.replace(varlen_arrays()[arg], device=1)}))
+
+# --- variable-length functions: cu_seqlens_q / cu_seqlens_k as arrays (int32, (batch + 1,), contiguous) --
+for arg, values in (("cu_seqlens_q", CU_Q), ("cu_seqlens_k", CU_K)):
+    for dt in ("int64", "uint32", "int16", "float32"):
+        packed(arg, f"dtype_{dt}", TypeError, [f"{arg} must be int32", f"got {dt}"],
+               arrs=varlen_arrays(**{arg: cu(values, dt)}))
+    for problem, shape in (("rank2", (1, len(values))), ("rank2_column", (len(values), 1)), ("rank0", ()),
+                           ("length_1", (1,)), ("length_0", (0,))):
+        packed(arg, problem, ValueError,
+               [f"{arg} must be a 1-D array of batch + 1 >= 2 offsets", "got shape (" + ", ".join(map(str, shape))],
+               arrs=varlen_arrays(**{arg: cu(values[:1] if shape == (1,) else () if shape == (0,) else values,
+                                             shape=shape)}))
+    packed(arg, "not_contiguous", ValueError, [f"{arg} must be contiguous", "got stride 2"],
+           arrs=varlen_arrays(**{arg: cu(values, strides=(2,))}))
+packed("cu_seqlens_k", "length_differs_from_cu_seqlens_q", ValueError,
+       ["cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)", "got 4 and 5"],
+       arrs=varlen_arrays(cu_k=CU_K + (80,)))
+packed("cu_seqlens_q", "length_differs_from_cu_seqlens_k", ValueError,
+       ["cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)", "got 3 and 4"],
+       arrs=varlen_arrays(cu_q=(0, 17, 60)))
+
+# --- variable-length functions: the offsets themselves (host copy, validate=True) -----------------------
+# each message of _validate.check_cu_seqlens_values, for both arrays, through both functions
+for arg, values, total, maxname, longest in (("cu_seqlens_q", CU_Q, TQ, "max_seqlen_q", MAXQ),
+                                             ("cu_seqlens_k", CU_K, TK, "max_seqlen_k", MAXK)):
+    side = arg[-1]
+    for problem, bad, words in (
+        ("starts_at_1", (1,) + values[1:], [f"{arg} must start at 0", "got 1"]),
+        ("starts_negative", (-4,) + values[1:], [f"{arg} must start at 0", "got -4"]),
+        ("decreasing", (0, 20, 10, values[-1]), [f"{arg} must be non-decreasing", f"{arg}[2] = 10 < {arg}[1] = 20"]),
+        ("decreasing_at_end", values[:-1] + (values[-2] - 1,),
+         [f"{arg} must be non-decreasing", f"{arg}[3] = {values[-2] - 1} < {arg}[2] = {values[-2]}"]),
+        ("past_the_packed_rows", values[:-1] + (total + 1,),
+         [f"{arg}[-1] = {total + 1} exceeds the {total} packed rows of the matching array"]),
+    ):
+        packed(arg, problem, ValueError, words, arrs=varlen_arrays(**{f"cu_{side}": bad}))
+    packed(maxname, "below_the_longest_sequence", ValueError,
+           [f"{maxname} = {longest - 1} but {arg} holds a sequence of length {longest}"],
+           arrs=varlen_arrays(**{f"max_{side}": longest - 1}))
+    packed(maxname, "zero_with_nonempty_sequences", ValueError,
+           [f"{maxname} = 0 but {arg} holds a sequence of length {longest}"],
+           arrs=varlen_arrays(**{f"max_{side}": 0}))
+    # the rows past the last offset belong to no sequence, but the packed array must have them
+    packed(arg, "packed_array_too_short", ValueError,
+           [f"{arg}[-1] = {values[-1]} exceeds the {values[-1] - 1} packed rows of the matching array"],
+           arrs=varlen_arrays(**{f"t{side}": values[-1] - 1}) if side == "q"
+           else varlen_arrays(k=spec((values[-1] - 1, HKV, D)), v=spec((values[-1] - 1, HKV, D))))
+
+# --- variable-length functions: max_seqlen_q / max_seqlen_k, validate ---------------------------------
+for arg in ("max_seqlen_q", "max_seqlen_k"):
+    for problem, bad in (("negative", -1), ("float", 43.0), ("string", "43"), ("none", None), ("bool", True),
+                         ("array", np.array([43]))):
+        packed(arg, problem, ValueError, [f"{arg} must be an int >= 0", "got " + repr(bad)],
+               arrs=varlen_arrays(**{arg: bad}))
+for bad in (1, "yes", None):
+    packed("validate", f"type_{type(bad).__name__}", TypeError, ["validate must be a bool", type(bad).__name__],
+           validate=bad)
+
+# --- variable-length backward only: out, dout (like packed q), lse ((heads, total_q) float32 contiguous) --
+VBW = "flash_attn_varlen_backward"
+for arg in ("out", "dout"):
+    add(VBW, arg, "rank4", ValueError, [f"{arg} must have 3 dimensions (total_tokens, heads, headdim)"],
+        arrs=varlen_arrays(**{arg: spec((B, SQ, H, D))}))
+    add(VBW, arg, "rows_differ_from_q", ValueError, [f"{arg} must have the shape of q (64, 8, 64)", "(60, 8, 64)"],
+        arrs=varlen_arrays(**{arg: spec((60, H, D))}))
+    add(VBW, arg, "heads_differ_from_q", ValueError, [f"{arg} must have the shape of q", "(64, 2, 64)"],
+        arrs=varlen_arrays(**{arg: spec((TQ, HKV, D))}))
+    add(VBW, arg, "dtype_differs_from_q", TypeError, [f"{arg} must have the dtype of q (bfloat16)", "float16"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), "float16")}))
+    add(VBW, arg, "dtype_float32", TypeError, [f"{arg} must be float16 or bfloat16", "float32"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), "float32")}))
+    add(VBW, arg, "headdim_not_contiguous", ValueError, [f"{arg}'s last dimension (headdim) must be contiguous"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), strides=(2 * H * D, 2 * D, 2))}))
+    add(VBW, arg, "tokens_stride_unaligned", ValueError, [f"{arg}'s tokens stride must be a multiple of 16 bytes"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), strides=(H * D + 2, D, 1))}))
+    add(VBW, arg, "pointer_unaligned", ValueError, [f"{arg}'s data must start at a 16-byte aligned address"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), ptr=0x10004)}))
+    add(VBW, arg, "other_device", ValueError, [f"{arg} is on CUDA device 1 but q is on device 0"],
+        arrs=varlen_arrays(**{arg: spec((TQ, H, D), device=1)}))
+LSE_WANT = "lse must be a contiguous float32 array of shape (heads, total_q) = (8, 64)"
+for problem, s in (("transposed_total_heads", spec((TQ, H), "float32")),
+                   ("fixed_length_layout", spec((1, H, TQ), "float32")),
+                   ("batch_heads_maxlen", spec((3, H, MAXQ), "float32")),
+                   ("total_k", spec((H, TK), "float32")),
+                   ("kv_heads", spec((HKV, TQ), "float32")),
+                   ("used_rows_only", spec((H, CU_Q[-1]), "float32")),
+                   ("rank1", spec((H * TQ,), "float32"))):
+    add(VBW, "lse", problem, ValueError, [LSE_WANT, "got float32 (" + ", ".join(map(str, s.shape))],
+        arrs=varlen_arrays(lse=s))
+for dt in ("bfloat16", "float16", "float64"):
+    add(VBW, "lse", f"dtype_{dt}", ValueError, [LSE_WANT, f"got {dt}"], arrs=varlen_arrays(lse=spec((H, TQ), dt)))
+for problem, strides in (("padded_rows", (72, 1)), ("transposed", (1, H)), ("strided", (2 * TQ, 2))):
+    add(VBW, "lse", f"not_contiguous_{problem}", ValueError, [LSE_WANT, f"with strides {strides}"],
+        arrs=varlen_arrays(lse=spec((H, TQ), "float32", strides=strides)))
+add(VBW, "lse", "other_device", ValueError, ["lse is on CUDA device 1 but q is on device 0"],
+    arrs=varlen_arrays(lse=spec((H, TQ), "float32", device=1)))
+
+
+# --- host memory and non-arrays through the real Call (all four functions, every array argument) ------
 
 class _DeviceDLPack:
     """Claims to live on CUDA device 0; the check must refuse the bad argument before converting any."""
@@ -324,21 +563,31 @@ class _HostDLPack(_DeviceDLPack):
 
 
 def _host_args(fn, bad_arg, bad):
-    names = FWD_ARRAYS if fn == "flash_attn_func" else BWD_ARRAYS
-    args = {n: _DeviceDLPack() for n in names}
+    args = {n: _DeviceDLPack() for n in ARRAY_ARGS[fn]}
+    args.update(max_seqlen_q=MAXQ, max_seqlen_k=MAXK)
     kwargs = {}
     if bad_arg in args:
         args[bad_arg] = bad
     else:
         kwargs[bad_arg] = bad
     f = getattr(cuflash, fn)
-    return lambda: f(*(args[n] for n in names), **kwargs)
+    return lambda: f(*(args[n] for n in POSITIONAL[fn]), **kwargs)
 
 
-for fn, names in (("flash_attn_func", FWD_ARRAYS), ("flash_attn_backward", BWD_ARRAYS)):
-    for arg in names + (("alibi_slopes",) if _takes(fn, "alibi_slopes") else ()):
-        shape = (H,) if arg == "alibi_slopes" else (B, H, SQ) if arg == "lse" else (B, SQ, H, D)
-        host = np.zeros(shape, np.float32 if arg in ("lse", "alibi_slopes") else np.float16)
+def _host_array(fn, arg):
+    """A numpy array of the shape and dtype ``arg`` would have on the device."""
+    if arg == "alibi_slopes":
+        return np.zeros((H,), np.float32)
+    if arg.startswith("cu_seqlens"):
+        return np.asarray(CU_Q if arg.endswith("q") else CU_K, np.int32)
+    if fn in VARLEN:
+        return np.zeros((H, TQ), np.float32) if arg == "lse" else np.zeros((TQ, H, D), np.float16)
+    return np.zeros((B, H, SQ), np.float32) if arg == "lse" else np.zeros((B, SQ, H, D), np.float16)
+
+
+for fn in PUBLIC:
+    for arg in ARRAY_ARGS[fn] + (("alibi_slopes",) if _takes(fn, "alibi_slopes") else ()):
+        host = _host_array(fn, arg)
         add(fn, arg, "numpy_host_array", TypeError, [f"{arg} must live in CUDA device memory", "numpy.ndarray",
                                                       "host memory", "DLPack device type 1"],
             mode="host", call=_host_args(fn, arg, host))
@@ -405,7 +654,15 @@ def spec_env(monkeypatch):
     return state
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def _param(case: Case):
+    if not case.gap:
+        return pytest.param(case, id=case.id)
+    # strict: once the check exists the row passes, XPASS fails, and the gap note is to be removed
+    return pytest.param(case, id=case.id, marks=pytest.mark.xfail(raises=_ReachedKernel, strict=True,
+                                                                 reason=f"known gap: {case.gap}"))
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_bad_input(case: Case, request):
     if case.mode == "spec":
         request.getfixturevalue("spec_env")["cc"] = case.cc
@@ -433,8 +690,43 @@ def test_table_covers_every_argument_of_every_public_function():
                 missing.append(f"{fn}({arg}=...)")
     assert not missing, f"no rows for {missing}: add them to CASES"
     assert set(PUBLIC) <= set(cuflash.__all__)
+    public = {n for n in cuflash.__all__ if n.startswith("flash_attn")}
+    assert public <= set(PUBLIC), f"public functions missing from PUBLIC: {sorted(public - set(PUBLIC))}"
+    assert set(DIRECTION) == set(POSITIONAL) == set(PUBLIC)
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), "duplicate row ids"
+
+
+def test_positional_arguments_match_the_signatures():
+    """The rows call the public functions positionally from POSITIONAL: it must be the signature's order."""
+    for fn in PUBLIC:
+        params = inspect.signature(getattr(cuflash, fn)).parameters.values()
+        positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        assert positional == POSITIONAL[fn], (fn, positional)
+
+
+def test_cu_seqlens_values_checks_have_rows(spec_env):
+    """Every refusal of _validate.check_cu_seqlens_values is produced by rows, for each of the two offset
+    arrays, through both variable-length functions."""
+    import re
+
+    src = inspect.getsource(_validate.check_cu_seqlens_values)
+    templates = re.findall(r'raise ValueError\(f"([^"]*)"', src)
+    assert len(templates) == 4, templates
+    messages = {fn: [] for fn in VARLEN}
+    for c in CASES:
+        if c.fn in VARLEN and c.mode == "spec" and not c.gap:
+            spec_env["cc"] = c.cc
+            try:
+                c.call()
+            except (ValueError, TypeError) as e:
+                messages[c.fn].append(str(e))
+    for name, maxname in (("cu_seqlens_q", "max_seqlen_q"), ("cu_seqlens_k", "max_seqlen_k")):
+        for t in templates:
+            t = t.replace("{name}", name).replace("{max_name}", maxname)
+            pattern = ".+?".join(re.escape(part) for part in re.split(r"\{[^}]*\}", t))
+            for fn in VARLEN:
+                assert any(re.fullmatch(pattern, m) for m in messages[fn]), f"{fn}: no row says {t!r}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -457,6 +749,36 @@ GOOD_CALLS = [
     ("backward-default", "flash_attn_backward", arrays(), {}, "fa1.backward"),
     ("backward-causal-window-scale", "flash_attn_backward", arrays(),
      dict(causal=True, window_size=(8, -1), softmax_scale=0.1, impl="fa1"), "fa1.backward"),
+    # the launch limits themselves pass
+    ("forward-batch-65535", "flash_attn_func", arrays(b=65535), {}, "fa2.forward"),
+    ("forward-heads-65535", "flash_attn_func", arrays(h=65535, hkv=5), {}, "fa2.forward"),
+    ("forward-seqlens-2**30-1", "flash_attn_func", arrays(sq=2 ** 30 - 1, sk=2 ** 30 - 1), dict(causal=True),
+     "fa2.forward"),
+    ("backward-batch-heads-65535", "flash_attn_backward", arrays(b=65535, h=65535, hkv=65535), {}, "fa1.backward"),
+    ("backward-seqlens-2**30-1", "flash_attn_backward", arrays(sq=2 ** 30 - 1, sk=2 ** 30 - 1), {}, "fa1.backward"),
+    # variable length
+    ("varlen-forward-default", "flash_attn_varlen_func", varlen_arrays(), {}, "fa2.forward"),
+    ("varlen-forward-everything", "flash_attn_varlen_func", varlen_arrays(),
+     dict(causal=True, window_size=(16, 3), softcap=5.0, alibi_slopes=slopes(), softmax_scale=0.2, dropout_p=0.1,
+          dropout_seed=3, return_lse=True, impl="fa2"), "fa2.forward"),
+    ("varlen-forward-fp16-mqa", "flash_attn_varlen_func", varlen_arrays(dtype="float16", hkv=1), {}, "fa2.forward"),
+    ("varlen-forward-max-above-longest", "flash_attn_varlen_func", varlen_arrays(max_q=TQ, max_k=TK), {},
+     "fa2.forward"),
+    ("varlen-forward-numpy-int-max", "flash_attn_varlen_func",
+     varlen_arrays(max_q=np.int64(MAXQ), max_k=np.int32(MAXK)), {}, "fa2.forward"),
+    ("varlen-forward-batch-65535", "flash_attn_varlen_func",
+     varlen_arrays(cu_q=(0,) * 65535 + (TQ,), cu_k=(0,) * 65535 + (TK,), max_q=TQ, max_k=TK), {}, "fa2.forward"),
+    ("varlen-forward-max-2**30-1", "flash_attn_varlen_func", varlen_arrays(max_q=2 ** 30 - 1, max_k=2 ** 30 - 1), {},
+     "fa2.forward"),
+    ("varlen-backward-default", "flash_attn_varlen_backward", varlen_arrays(), {}, "fa2.backward"),
+    ("varlen-backward-everything", "flash_attn_varlen_backward", varlen_arrays(),
+     dict(causal=True, window_size=(8, -1), softcap=5.0, alibi_slopes=slopes(), softmax_scale=0.1, dropout_p=0.1,
+          dropout_seed=3, dropout_offset=7, deterministic=True, impl="fa2"), "fa2.backward"),
+    # validate=False skips only the host copy: offsets that validate=True refuses get through
+    ("varlen-forward-unvalidated-offsets", "flash_attn_varlen_func",
+     varlen_arrays(cu_q=(1, 20, 10, TQ + 5), max_q=1), dict(validate=False), "fa2.forward"),
+    ("varlen-backward-unvalidated-offsets", "flash_attn_varlen_backward",
+     varlen_arrays(cu_k=(3, 2, 1, TK + 5), max_k=1), dict(validate=False), "fa2.backward"),
 ]
 
 
@@ -485,11 +807,13 @@ def test_good_calls_reach_the_kernel(spec_env, what, fn, arrs, kwargs, reaches):
 def test_every_supported_headdim_passes(spec_env):
     for name, fam in FAMILIES.items():
         for d in fam.HEADDIMS:
-            for fn, feats in (("flash_attn_func", fam.FWD_FEATURES), ("flash_attn_backward", fam.BWD_FEATURES)):
-                if feats is None:
+            for fn in PUBLIC:
+                feats = fam.FWD_FEATURES if DIRECTION[fn] == "forward" else fam.BWD_FEATURES
+                if feats is None or (fn in VARLEN and "varlen" not in feats):
                     continue
+                arrs = varlen_arrays(d=d) if fn in VARLEN else arrays(d=d)
                 with pytest.raises(_ReachedKernel, match=name):
-                    _public(fn, arrays(d=d), dict(impl=name))()
+                    _public(fn, arrs, dict(impl=name))()
 
 
 # ----------------------------------------------------------------------------------------------------
