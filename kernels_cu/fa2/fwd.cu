@@ -115,9 +115,11 @@ __device__ __forceinline__ float tanh_approx(float x) {
 // update each row's max and (per-thread partial) sum, turn S into P = 2^(s*c - m*c) in place, and
 // rescale O where a row max moved. row_lo: this thread's first row (the other is row_lo + 8) of
 // m-tile 0; col_lo: its first key column.
+// MASKED is a template argument so that tiles inside the mask (most of them) carry no per-element test.
+template <bool MASKED>
 __device__ __forceinline__ void online_softmax(Frag (&s)[MT][KN / 8], Frag (&o)[MT][D / 8], float (&row_max)[MT][2],
                                                float (&row_sum)[MT][2], const Fa2FwdParams& p, const Mask& mask,
-                                               bool needs_mask, int row_lo, int col_lo, float alibi) {
+                                               int row_lo, int col_lo, float alibi) {
     float alpha[MT][2];  // per-row rescale of O, exactly 1 when the row max did not move
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -129,7 +131,7 @@ __device__ __forceinline__ void online_softmax(Frag (&s)[MT][KN / 8], Frag (&o)[
                 float x = s[mt][j][e];
                 if constexpr (SOFTCAP) x = tanh_approx(x * p.softcap_pre);
                 if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
-                if (needs_mask && !mask.visible(row, col)) x = neg_inf();
+                if (MASKED && !mask.visible(row, col)) x = neg_inf();
                 s[mt][j][e] = x;
             }
         }
@@ -245,7 +247,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
         for (int sub = 0; sub < BN; sub += KN) {
             Frag s[MT][KN / 8];
             qk_product(q_addr, k_addr, stage * KV_STAGE_BYTES, sub, s);
-            online_softmax(s, o, row_max, row_sum, p, mask, needs_mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+            if (needs_mask)
+                online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+            else
+                online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
             if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0 + sub, g, t);
             if (sub == 0) {
                 cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)

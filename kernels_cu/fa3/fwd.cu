@@ -118,20 +118,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         wgmma_fence_regs(sc);
 
         // Online softmax on the accumulator: element 4j + e is row row_lo + 8 (e / 2), key n BN + 8 j + 2 q4 + e % 2.
-        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
+        if (!mask.tile_all_visible<BM, BN>(m_block, n)) {  // only tiles that cross a mask edge pay for this
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mask.visible(row_lo + 8 * (e / 2), n * BN + 8 * j + 2 * q4 + e % 2)) sc[4 * j + e] = neg_inf();
+        }
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mx = row_max[r];
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = sc[4 * j + 2 * r + e];
-                    if (needs_mask && !mask.visible(row_lo + 8 * r, n * BN + 8 * j + 2 * q4 + e)) x = neg_inf();
-                    mx = fmaxf(mx, x);
-                }
-            }
+            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
             mx = quad_max(mx);
             const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
             alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * p.scale_log2 - base);
