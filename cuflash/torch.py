@@ -1,7 +1,7 @@
 """PyTorch adapter: differentiable cuflash attention on torch CUDA tensors.
 
     import torch
-    from cuflash.torch import flash_attn_func
+    from cuflash.torch import flash_attn_func, flash_attn_varlen_func
 
     q = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)   # GQA 16:4
@@ -12,27 +12,55 @@
 Public functions
 ----------------
 ``flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-alibi_slopes=None, return_lse=False, impl="auto", deterministic=False)``
+alibi_slopes=None, return_lse=False, impl="auto", deterministic=False, dropout_p=0.0)``
     ``cuflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v. Layout,
     masks and options are those of ``cuflash.flash_attn_func``. With ``return_lse=True`` it returns
     ``(out, lse)``; lse (batch, heads, seqlen_q, float32) is not differentiable (a loss that uses it
     gets no gradient through it). The backward runs ``cuflash.flash_attn_backward`` with the same
-    options (softcap and ALiBi included; ``deterministic=True`` asks it for bit-reproducible
+    options (softcap, ALiBi and dropout included; ``deterministic=True`` asks it for bit-reproducible
     gradients); an option the installed backward lacks makes the backward raise ``ValueError``, the
     forward alone works. ``impl`` picks the kernel family of the forward; the backward uses the same
-    family where that family has a backward kernel, otherwise "auto".
+    family where that family has a backward kernel, otherwise "auto". (``dropout_p`` comes last here,
+    after the options this function had before it, so that positional calls keep their meaning; in
+    flash-attn it is the fourth argument.)
+``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
+impl="auto", deterministic=False, validate=True)``
+    ``cuflash.flash_attn_varlen_func`` on torch tensors (packed sequences: q (total_q, heads, headdim),
+    k/v (total_k, kv_heads, headdim), int32 ``cu_seqlens_*`` (batch + 1,) on q's device, Python int
+    ``max_seqlen_*``), differentiable with respect to q, k and v through
+    ``cuflash.flash_attn_varlen_backward``; argument order as in flash-attn. lse is (heads, total_q)
+    float32. ``validate=True`` checks the offsets on the host in the forward (a synchronisation); the
+    backward never re-checks them (they are saved for backward, so autograd refuses offsets modified
+    in place since the forward).
 ``use_custom_op(enabled)``
     Switches the ``torch.library`` registration on or off for this process (returns the previous
     setting); ``custom_op_enabled()`` reads it.
+
+Dropout
+-------
+``dropout_p > 0`` drops attention probabilities (kept ones scaled by 1 / (1 - dropout_p)), as
+flash-attn does whenever ``dropout_p > 0``: pass ``dropout_p=p if self.training else 0.0`` from a
+module. Each call draws a fresh 63-bit Philox seed from torch's global (default CPU) generator --
+``torch.randint(0, 2**63 - 1, ())`` -- and uses dropout offset 0; the seed is a CPU int64 tensor
+saved in the autograd context, and the backward regenerates the forward's mask from the same seed
+and offset. So ``torch.manual_seed(s)`` makes the masks, outputs and (with ``deterministic=True``)
+gradients reproducible, ``torch.random.fork_rng`` and activation checkpointing (which save and
+restore the CPU RNG state) replay the same masks, and ``torch.cuda.manual_seed`` alone does not
+change them. Under ``torch.compile`` the draw is an ordinary random op of the graph (no graph
+break). With ``dropout_p == 0`` (the default) no seed is drawn, the RNG state is untouched and the
+calls into cuflash are exactly those without dropout.
 
 Two paths
 ---------
 * Custom ops (default): ``flash_attn_func`` calls ``torch.ops.cuflash.flash_attn_fwd`` (returns out and
   lse), whose ``register_autograd`` backward calls ``torch.ops.cuflash.flash_attn_bwd`` (returns dq,
-  dk, dv). Both have ``register_fake`` implementations (out like q, lse (B, H, Sq) float32, grads like
-  q/k/v, all contiguous), so ``torch.compile(fullgraph=True)`` traces a model using
-  ``flash_attn_func`` without a graph break, forward and backward, and ``torch.library.opcheck`` passes
-  on both ops. The dispatcher adds a few microseconds per call.
+  dk, dv); ``flash_attn_varlen_func`` likewise calls ``torch.ops.cuflash.flash_attn_varlen_fwd`` /
+  ``flash_attn_varlen_bwd``. All have ``register_fake`` implementations (out like q, lse (B, H, Sq)
+  -- (H, total_q) for varlen -- float32, grads like q/k/v, all contiguous), so
+  ``torch.compile(fullgraph=True)`` traces a model using them without a graph break, forward and
+  backward, and ``torch.library.opcheck`` passes on the ops. The dispatcher adds a few microseconds
+  per call.
 * Plain ``torch.autograd.Function`` (the switch off): the lowest call overhead in eager mode, but
   ``torch.compile`` cannot trace into it (the call into CuPy is a graph break, so
   ``fullgraph=True`` fails).
@@ -58,6 +86,7 @@ Notes
 """
 import functools
 import inspect
+import numbers
 import os
 from typing import Optional
 
@@ -65,13 +94,16 @@ import torch
 
 from . import api as _api
 
-__all__ = ["flash_attn_func", "use_custom_op", "custom_op_enabled"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "use_custom_op", "custom_op_enabled"]
 
 _ENV_SWITCH = "CUFLASH_TORCH_CUSTOM_OP"
 _OFF_VALUES = ("0", "false", "off", "no")
 _NAMESPACE = "cuflash"
 FWD_OP_NAME = f"{_NAMESPACE}::flash_attn_fwd"
 BWD_OP_NAME = f"{_NAMESPACE}::flash_attn_bwd"
+VARLEN_FWD_OP_NAME = f"{_NAMESPACE}::flash_attn_varlen_fwd"
+VARLEN_BWD_OP_NAME = f"{_NAMESPACE}::flash_attn_varlen_bwd"
+_SEED_HIGH = 2 ** 63 - 1  # dropout seeds are drawn from [0, 2**63 - 1)
 
 
 def _switch_from_env() -> bool:
@@ -81,28 +113,69 @@ def _switch_from_env() -> bool:
 _use_custom_op = False  # set below, after the ops are (maybe) registered
 _fwd_op = None  # torch.ops.cuflash.flash_attn_fwd.default once registered
 _bwd_op = None  # torch.ops.cuflash.flash_attn_bwd.default once registered
+_varlen_fwd_op = None  # torch.ops.cuflash.flash_attn_varlen_fwd.default once registered
+_varlen_bwd_op = None  # torch.ops.cuflash.flash_attn_varlen_bwd.default once registered
 
 
 # --------------------------------------------------------------------------------------------------
 # The calls into cuflash (shared by both paths). Tensors in, tensors out; run on torch's current stream.
 # --------------------------------------------------------------------------------------------------
 
+def _dropout_kwargs(dropout_p, dropout_seed, dropout_offset) -> dict:
+    """cuflash's dropout keywords: none at all when dropout_p == 0 (the call is then exactly the one
+    without dropout), else p, the seed (an int from the CPU int64 seed tensor) and the offset."""
+    if not dropout_p:
+        return {}
+    seed = None if dropout_seed is None else int(dropout_seed.item())
+    return {"dropout_p": float(dropout_p), "dropout_seed": seed, "dropout_offset": int(dropout_offset)}
+
+
 def _attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
-                       deterministic):
+                       deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """(out, lse) from cuflash; out is a new contiguous tensor like q, lse (B, H, Sq) float32."""
     return _api.flash_attn_func(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True, impl=impl,
+        **_dropout_kwargs(dropout_p, dropout_seed, dropout_offset),
     )
 
 
 def _attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-                        alibi_slopes, impl, deterministic):
+                        alibi_slopes, impl, deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """(dq, dk, dv) from cuflash, each a new contiguous tensor of q's / k's / v's shape."""
     dq, dk, dv = _api.flash_attn_backward(
         _kernel_readable(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
         window_size=(window_left, window_right), impl=_backward_impl(impl),
         **_backward_extras(softcap, alibi_slopes, deterministic),
+        **_backward_dropout(_api.flash_attn_backward, dropout_p, dropout_seed, dropout_offset),
+    )
+    return _standard_contiguous(dq), _standard_contiguous(dk), _standard_contiguous(dv)
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                    window_left, window_right, softcap, alibi_slopes, impl, deterministic, validate,
+                    dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+    """(out, lse) from cuflash's varlen forward; out a new contiguous tensor like q, lse (H, total_q)."""
+    out, lse = _api.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal=causal,
+        softmax_scale=softmax_scale, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, return_lse=True, impl=impl, validate=validate,
+        **_dropout_kwargs(dropout_p, dropout_seed, dropout_offset),
+    )
+    return _standard_contiguous(out), _standard_contiguous(lse)
+
+
+def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+                     validate, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+    """(dq, dk, dv) from cuflash's varlen backward, new contiguous tensors of q's / k's / v's shape."""
+    backward = _api.flash_attn_varlen_backward
+    dq, dk, dv = backward(
+        _kernel_readable(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+        int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+        impl=_backward_impl(impl), validate=validate,
+        **_backward_extras(softcap, alibi_slopes, deterministic, backward=backward),
+        **_backward_dropout(backward, dropout_p, dropout_seed, dropout_offset),
     )
     return _standard_contiguous(dq), _standard_contiguous(dk), _standard_contiguous(dv)
 
@@ -115,10 +188,18 @@ def _backward_parameters(fn) -> frozenset:
         return frozenset()
 
 
-def _backward_extras(softcap, alibi_slopes, deterministic=False) -> dict:
-    """softcap / alibi_slopes / deterministic for ``cuflash.flash_attn_backward``: passed through where
-    it takes them (it then decides), refused here with a clear message where it does not have them."""
-    params = _backward_parameters(_api.flash_attn_backward)
+def _unsupported_by_backward(name):
+    return ValueError(
+        f"cuflash's backward does not support {name} yet: the forward ran with it, but gradients "
+        f"cannot be computed. Call without {name}, or without requires_grad."
+    )
+
+
+def _backward_extras(softcap, alibi_slopes, deterministic=False, backward=None) -> dict:
+    """softcap / alibi_slopes / deterministic for cuflash's backward (``cuflash.flash_attn_backward``
+    unless ``backward`` is given): passed through where it takes them (it then decides), refused here
+    with a clear message where it does not have them."""
+    params = _backward_parameters(backward if backward is not None else _api.flash_attn_backward)
     extras = {}
     for name, value, is_set in (("softcap", softcap, bool(softcap)),
                                 ("alibi_slopes", alibi_slopes, alibi_slopes is not None),
@@ -126,11 +207,16 @@ def _backward_extras(softcap, alibi_slopes, deterministic=False) -> dict:
         if name in params:
             extras[name] = value
         elif is_set:
-            raise ValueError(
-                f"cuflash's backward does not support {name} yet: the forward ran with it, but gradients "
-                f"cannot be computed. Call without {name}, or without requires_grad."
-            )
+            raise _unsupported_by_backward(name)
     return extras
+
+
+def _backward_dropout(backward, dropout_p, dropout_seed, dropout_offset) -> dict:
+    """The forward's dropout keywords for ``backward`` (none when dropout_p == 0)."""
+    kwargs = _dropout_kwargs(dropout_p, dropout_seed, dropout_offset)
+    if kwargs and "dropout_p" not in _backward_parameters(backward):
+        raise _unsupported_by_backward("dropout")
+    return kwargs
 
 
 def _backward_impl(impl: str) -> str:
@@ -142,11 +228,13 @@ def _backward_impl(impl: str) -> str:
 
 
 def _kernel_readable(t):
-    """``t`` itself when the kernels can read its layout (rank 4, last dim contiguous, other strides
-    multiples of 8 elements, 16-byte aligned start), else a contiguous copy."""
-    if t.dim() == 4:
-        shape, strides = t.shape, t.stride()
-        ok = (shape[3] <= 1 or strides[3] == 1) and all(shape[i] <= 1 or strides[i] % 8 == 0 for i in range(3))
+    """``t`` itself when the kernels can read its layout (rank 4, or rank 3 for packed varlen
+    tensors; last dim contiguous, other strides multiples of 8 elements, 16-byte aligned start), else
+    a contiguous copy."""
+    if t.dim() in (3, 4):
+        shape, strides, last = t.shape, t.stride(), t.dim() - 1
+        ok = (shape[last] <= 1 or strides[last] == 1) and all(shape[i] <= 1 or strides[i] % 8 == 0
+                                                               for i in range(last))
         if ok and t.data_ptr() % 16 == 0:
             return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -170,21 +258,51 @@ def _standard_contiguous(t):
 class _FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
-                deterministic):
+                deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         out, lse = _attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                      alibi_slopes, impl, deterministic)
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-        ctx.options = (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic)
+                                      alibi_slopes, impl, deterministic, dropout_p, dropout_seed, dropout_offset)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+        ctx.options = (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic, dropout_p,
+                       dropout_offset)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-        softmax_scale, causal, window_left, window_right, softcap, impl, deterministic = ctx.options
+        q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+        (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic, dropout_p,
+         dropout_offset) = ctx.options
         dq, dk, dv = _attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                                         window_right, softcap, alibi_slopes, impl, deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                                         window_right, softcap, alibi_slopes, impl, deterministic, dropout_p,
+                                         dropout_seed, dropout_offset)
+        return (dq, dk, dv) + (None,) * 11
+
+
+class _FlashAttnVarlenFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                window_left, window_right, softcap, alibi_slopes, impl, deterministic, validate, dropout_p,
+                dropout_seed, dropout_offset):
+        out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                   causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+                                   validate, dropout_p, dropout_seed, dropout_offset)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, impl,
+                       deterministic, dropout_p, dropout_offset)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, impl, deterministic,
+         dropout_p, dropout_offset) = ctx.options
+        # validate=False: the forward checked these offsets, and autograd refuses them if modified since.
+        dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                      alibi_slopes, impl, deterministic, False, dropout_p, dropout_seed,
+                                      dropout_offset)
+        return (dq, dk, dv) + (None,) * 16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,7 +311,7 @@ class _FlashAttnFunction(torch.autograd.Function):
 
 def _register_ops() -> None:
     """Defines every cuflash custom op (once per process). Each public function registers its ops in
-    a ``_register_*`` function listed in ``_REGISTRATIONS`` (varlen / kvcache go next to flash_attn)."""
+    a ``_register_*`` function listed in ``_REGISTRATIONS``."""
     global _registered
     if _registered:
         return
@@ -208,20 +326,22 @@ def _register_ops() -> None:
 
 
 def _register_flash_attn() -> None:
-    """cuflash::flash_attn_fwd (q, k, v -> out, lse) and cuflash::flash_attn_bwd (-> dq, dk, dv)."""
+    """cuflash::flash_attn_fwd (q, k, v -> out, lse) and cuflash::flash_attn_bwd (-> dq, dk, dv). The
+    dropout arguments come last with defaults (no dropout), so calls written before them still work."""
     global _fwd_op, _bwd_op
     Tensor = torch.Tensor
 
     @torch.library.custom_op(FWD_OP_NAME, mutates_args=())
     def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], causal: bool,
                        window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-                       impl: str, deterministic: bool) -> tuple[Tensor, Tensor]:
+                       impl: str, deterministic: bool, dropout_p: float = 0.0,
+                       dropout_seed: Optional[Tensor] = None, dropout_offset: int = 0) -> tuple[Tensor, Tensor]:
         return _attention_forward(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                  alibi_slopes, impl, deterministic)
+                                  alibi_slopes, impl, deterministic, dropout_p, dropout_seed, dropout_offset)
 
     @flash_attn_fwd.register_fake
     def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
-                  deterministic):
+                  deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         batch, seqlen_q, heads, headdim = q.shape
         out = q.new_empty((batch, seqlen_q, heads, headdim))
         lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
@@ -230,43 +350,118 @@ def _register_flash_attn() -> None:
     @torch.library.custom_op(BWD_OP_NAME, mutates_args=())
     def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
-                       softcap: float, alibi_slopes: Optional[Tensor], impl: str,
-                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+                       softcap: float, alibi_slopes: Optional[Tensor], impl: str, deterministic: bool,
+                       dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None,
+                       dropout_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
         return _attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                                   softcap, alibi_slopes, impl, deterministic)
+                                   softcap, alibi_slopes, impl, deterministic, dropout_p, dropout_seed,
+                                   dropout_offset)
 
     @flash_attn_bwd.register_fake
     def _bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-                  alibi_slopes, impl, deterministic):
+                  alibi_slopes, impl, deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _setup_context(ctx, inputs, output):
-        q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic = inputs
+        (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+         dropout_p, dropout_seed, dropout_offset) = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
-        ctx.options = (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, dropout_seed)
+        ctx.options = (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic, dropout_p,
+                       dropout_offset)
         ctx.mark_non_differentiable(lse)
 
     def _backward(ctx, dout, _dlse):
-        q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
-        softmax_scale, causal, window_left, window_right, softcap, impl, deterministic = ctx.options
+        q, k, v, out, lse, alibi_slopes, dropout_seed = ctx.saved_tensors
+        (softmax_scale, causal, window_left, window_right, softcap, impl, deterministic, dropout_p,
+         dropout_offset) = ctx.options
         dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, softcap,
-                             alibi_slopes, impl, deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+                             alibi_slopes, impl, deterministic, dropout_p, dropout_seed, dropout_offset)
+        return (dq, dk, dv) + (None,) * 11
 
     flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
     _bwd_op = torch.ops.cuflash.flash_attn_bwd.default
     _fwd_op = torch.ops.cuflash.flash_attn_fwd.default
 
 
-_REGISTRATIONS = (_register_flash_attn,)
+def _register_flash_attn_varlen() -> None:
+    """cuflash::flash_attn_varlen_fwd (q, k, v, cu_seqlens_q/k, max_seqlen_q/k -> out, lse) and
+    cuflash::flash_attn_varlen_bwd (-> dq, dk, dv). The maxima are int arguments (SymInt in the
+    schema), not tensors."""
+    global _varlen_fwd_op, _varlen_bwd_op
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op(VARLEN_FWD_OP_NAME, mutates_args=())
+    def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float], causal: bool,
+                              window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                              impl: str, deterministic: bool, validate: bool, dropout_p: float = 0.0,
+                              dropout_seed: Optional[Tensor] = None,
+                              dropout_offset: int = 0) -> tuple[Tensor, Tensor]:
+        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                               causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+                               validate, dropout_p, dropout_seed, dropout_offset)
+
+    @flash_attn_varlen_fwd.register_fake
+    def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                         window_left, window_right, softcap, alibi_slopes, impl, deterministic, validate,
+                         dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+        total_q, heads, headdim = q.shape
+        out = q.new_empty((total_q, heads, headdim))
+        lse = q.new_empty((heads, total_q), dtype=torch.float32)
+        return out, lse
+
+    @torch.library.custom_op(VARLEN_BWD_OP_NAME, mutates_args=())
+    def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                              softcap: float, alibi_slopes: Optional[Tensor], impl: str, deterministic: bool,
+                              validate: bool, dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None,
+                              dropout_offset: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+        return _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
+                                deterministic, validate, dropout_p, dropout_seed, dropout_offset)
+
+    @flash_attn_varlen_bwd.register_fake
+    def _varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+                         validate, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _setup_context(ctx, inputs, output):
+        (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+         window_right, softcap, alibi_slopes, impl, deterministic, validate, dropout_p, dropout_seed,
+         dropout_offset) = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed)
+        ctx.options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, impl,
+                       deterministic, dropout_p, dropout_offset)
+        ctx.mark_non_differentiable(lse)
+
+    def _backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, impl, deterministic,
+         dropout_p, dropout_offset) = ctx.options
+        # validate=False: the forward checked these offsets, and autograd refuses them if modified since.
+        dq, dk, dv = _varlen_bwd_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
+                                    deterministic, False, dropout_p, dropout_seed, dropout_offset)
+        return (dq, dk, dv) + (None,) * 16
+
+    flash_attn_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+    _varlen_bwd_op = torch.ops.cuflash.flash_attn_varlen_bwd.default
+    _varlen_fwd_op = torch.ops.cuflash.flash_attn_varlen_fwd.default
+
+
+_REGISTRATIONS = (_register_flash_attn, _register_flash_attn_varlen)
 _registered = False
 
 
 def use_custom_op(enabled: bool) -> bool:
-    """Route ``flash_attn_func`` through the torch.library custom ops (True: traceable by torch.compile)
-    or straight through a torch.autograd.Function (False: lowest eager overhead). Returns the previous
-    setting. Turning it on registers the ops if ``CUFLASH_TORCH_CUSTOM_OP=0`` kept them unregistered."""
+    """Route ``flash_attn_func`` / ``flash_attn_varlen_func`` through the torch.library custom ops
+    (True: traceable by torch.compile) or straight through torch.autograd.Functions (False: lowest
+    eager overhead). Returns the previous setting. Turning it on registers the ops if
+    ``CUFLASH_TORCH_CUSTOM_OP=0`` kept them unregistered."""
     global _use_custom_op
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool; got {type(enabled).__name__}")
@@ -278,9 +473,13 @@ def use_custom_op(enabled: bool) -> bool:
 
 
 def custom_op_enabled() -> bool:
-    """Whether ``flash_attn_func`` currently goes through the torch.library custom ops."""
+    """Whether ``flash_attn_func`` / ``flash_attn_varlen_func`` currently go through the custom ops."""
     return _use_custom_op
 
+
+# --------------------------------------------------------------------------------------------------
+# Public functions: argument checks, the dropout seed, then one of the two paths.
+# --------------------------------------------------------------------------------------------------
 
 def _window_pair(window_size):
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -291,16 +490,8 @@ def _window_pair(window_size):
     return left, right
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, return_lse=False, impl="auto", deterministic=False):
-    """Exact attention on torch CUDA tensors, differentiable with respect to q, k and v.
-
-    q (batch, seqlen_q, heads, headdim), k/v (batch, seqlen_k, kv_heads, headdim), fp16 or bf16.
-    Returns ``out`` like q, or ``(out, lse)`` with ``return_lse=True`` (lse: (batch, heads, seqlen_q)
-    float32, not differentiable). Options as in ``cuflash.flash_attn_func``; ``deterministic=True``
-    makes the backward bit-reproducible (``cuflash.flash_attn_backward``). See the module docstring
-    for the custom-op switch and what works under ``torch.compile``.
-    """
+def _common_options(softmax_scale, causal, window_size, softcap, deterministic):
+    """(softmax_scale, window_left, window_right, softcap) checked and normalised."""
     window_left, window_right = _window_pair(window_size)
     if not isinstance(causal, bool) or not isinstance(deterministic, bool):
         raise TypeError(f"causal and deterministic must be bools; got {type(causal).__name__} and "
@@ -309,13 +500,101 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         raise TypeError("softmax_scale and softcap must be floats, not bools")
     if softmax_scale is not None:
         softmax_scale = float(softmax_scale)
-    softcap = float(softcap)
+    return softmax_scale, window_left, window_right, float(softcap)
+
+
+def _dropout_p_value(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1); got {dropout_p}")
+    return dropout_p
+
+
+def _draw_dropout_seed():
+    """A fresh dropout seed: a CPU int64 scalar tensor in [0, 2**63 - 1) from torch's global (default CPU)
+    generator, so ``torch.manual_seed`` reproduces it. A tensor, not an int, so that torch.compile traces
+    the draw as a graph op instead of breaking the graph at ``.item()``."""
+    return torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device="cpu")
+
+
+def _dropout_args(dropout_p):
+    """(dropout_p, seed tensor or None, offset) for one call; no draw when dropout_p == 0."""
+    dropout_p = _dropout_p_value(dropout_p)
+    if dropout_p == 0.0:
+        return 0.0, None, 0
+    return dropout_p, _draw_dropout_seed(), 0
+
+
+def _max_seqlen(name, value):
+    """A Python int (or a SymInt under torch.compile) >= 0."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int (e.g. int(lengths.max())); got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return value
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, return_lse=False, impl="auto", deterministic=False, dropout_p=0.0):
+    """Exact attention on torch CUDA tensors, differentiable with respect to q, k and v.
+
+    q (batch, seqlen_q, heads, headdim), k/v (batch, seqlen_k, kv_heads, headdim), fp16 or bf16.
+    Returns ``out`` like q, or ``(out, lse)`` with ``return_lse=True`` (lse: (batch, heads, seqlen_q)
+    float32, not differentiable). Options as in ``cuflash.flash_attn_func``; ``deterministic=True``
+    makes the backward bit-reproducible (``cuflash.flash_attn_backward``). ``dropout_p > 0`` applies
+    dropout with a seed drawn from torch's global generator (``torch.manual_seed`` reproduces it; the
+    backward reuses it): see the module docstring, also for the custom-op switch and what works under
+    ``torch.compile``.
+    """
+    softmax_scale, window_left, window_right, softcap = _common_options(softmax_scale, causal, window_size, softcap,
+                                                                        deterministic)
+    dropout_p, dropout_seed, dropout_offset = _dropout_args(dropout_p)
+    args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl, deterministic,
+            dropout_p, dropout_seed, dropout_offset)
     if _use_custom_op:
-        out, lse = _fwd_op(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
-                           deterministic)
+        out, lse = _fwd_op(*args)
     else:
-        out, lse = _FlashAttnFunction.apply(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                            alibi_slopes, impl, deterministic)
+        out, lse = _FlashAttnFunction.apply(*args)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, impl="auto", deterministic=False, validate=True):
+    """Exact attention over packed variable-length sequences on torch CUDA tensors, differentiable with
+    respect to q, k and v.
+
+    q (total_q, heads, headdim), k/v (total_k, kv_heads, headdim), fp16 or bf16; ``cu_seqlens_q`` /
+    ``cu_seqlens_k`` int32 (batch + 1,) offsets on the same device (sequence b is rows cu[b] .. cu[b + 1]
+    - 1; empty sequences allowed); ``max_seqlen_q`` / ``max_seqlen_k`` Python ints, the longest
+    lengths. Returns ``out`` like q, or ``(out, lse)`` with ``return_lse=True`` (lse: (heads, total_q)
+    float32, not differentiable); rows after ``cu_seqlens_q[-1]`` get out 0, lse -inf and gradient 0.
+    Masks apply per sequence (causal aligned bottom-right within each). Options as in
+    ``cuflash.flash_attn_varlen_func``; ``validate=True`` checks the offsets on the host in the forward (a
+    synchronisation; the backward never re-checks them). ``dropout_p`` as in ``flash_attn_func``.
+    """
+    softmax_scale, window_left, window_right, softcap = _common_options(softmax_scale, causal, window_size, softcap,
+                                                                        deterministic)
+    max_seqlen_q = _max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _max_seqlen("max_seqlen_k", max_seqlen_k)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool; got {type(validate).__name__}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor (int32, on q's device); got {type(cu).__name__}")
+    dropout_p, dropout_seed, dropout_offset = _dropout_args(dropout_p)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+            window_right, softcap, alibi_slopes, impl, deterministic, validate, dropout_p, dropout_seed,
+            dropout_offset)
+    if _use_custom_op:
+        out, lse = _varlen_fwd_op(*args)
+    else:
+        out, lse = _FlashAttnVarlenFunction.apply(*args)
     return (out, lse) if return_lse else out
 
 

@@ -5,6 +5,7 @@ eagerly and under jit.
 Accuracy uses FlashAttention's rule (cuflash.reference.check_close): the error against an fp32
 reference may be at most twice the error of the same attention done naively in bf16, plus atol.
 """
+import itertools
 import math
 import os
 
@@ -292,6 +293,252 @@ def test_torch_non_default_stream(torch, ct):
     g_low = ref.attention_ref_backward_lowp(_cupy(torch.ones_like(q)), _cupy(q), _cupy(k), _cupy(v), causal=True)
     for name, x, x32, gl in zip(("dq", "dk", "dv"), (qg, kg, vg), (q32, k32, v32), g_low):
         _check(name, x.grad, x32.grad, gl)
+
+
+# --- torch: flash_attn_varlen_func -----------------------------------------------------------------
+
+def _bounds(lens_q, lens_k):
+    """[(b, q_start, q_end, k_start, k_end)] of packed sequences (host ints)."""
+    cq = [0, *itertools.accumulate(lens_q)]
+    ck = [0, *itertools.accumulate(lens_k)]
+    return [(b, cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(lens_q))]
+
+
+def _torch_varlen_inputs(torch, lens_q, lens_k, d, extra_rows=3, dtype=None, seed=0):
+    """Packed q/k/v (with ``extra_rows`` rows after the last sequence, which belong to none) and the
+    int32 offsets, all on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dtype = dtype or torch.bfloat16
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device="cuda")
+
+    def rand(*shape):
+        x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        return x.requires_grad_()
+
+    total_q, total_k = sum(lens_q) + extra_rows, sum(lens_k) + extra_rows
+    return rand(total_q, H, d), rand(total_k, HKV, d), rand(total_k, HKV, d), cu_q, cu_k
+
+
+def _first_visible_row(sq, sk, causal):
+    """Rows before this one see no key (bottom-right causal with Sq > Sk, or no keys at all)."""
+    if sk == 0:
+        return sq
+    return max(0, sq - sk) if causal else 0
+
+
+def _varlen_sdpa_fp32(torch, q, k, v, bounds, causal):
+    """Per-sequence SDPA (math backend, fp32, bottom-right causal mask) over packed q/k/v; rows that
+    see no key and rows after the last sequence are 0. Differentiable with respect to q, k and v. Only
+    the rows that see a key go through SDPA (fully masked rows are NaN in some torch versions)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for _, qs, qe, ks, ke in bounds:
+        first = qs + _first_visible_row(qe - qs, ke - ks, causal)
+        if first < qe:
+            o = _sdpa_fp32(torch, q[None, first:qe], k[None, ks:ke], v[None, ks:ke], causal)
+            out = out.index_put((torch.arange(first, qe, device=q.device),), o[0])
+    return out
+
+
+VARLEN_LENS = [
+    ([113, 0, 1, 239, 64], [239, 5, 1, 113, 64]),  # an empty and a length-1 sequence, Sq != Sk both ways
+    ([1, 70, 1], [100, 0, 77]),  # an empty key sequence: its rows see nothing (out 0, lse -inf)
+]
+
+
+@pytest.mark.parametrize("custom_op", [True, False], ids=["custom_op", "autograd_function"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("lens", VARLEN_LENS)
+def test_torch_varlen_forward_and_grads_vs_sdpa(torch, ct, custom_op, causal, d, lens):
+    ct.use_custom_op(custom_op)
+    lens_q, lens_k = lens
+    bounds = _bounds(lens_q, lens_k)
+    q, k, v, cu_q, cu_k = _torch_varlen_inputs(torch, lens_q, lens_k, d)
+    out, lse = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (H, q.shape[0]) and lse.dtype == torch.float32
+    assert out.requires_grad and not lse.requires_grad
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32,
+                       generator=torch.Generator(device="cuda").manual_seed(5)).to(q.dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for g, like in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == like.shape and g.dtype == like.dtype
+
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    o_ref = _varlen_sdpa_fp32(torch, q32, k32, v32, bounds, causal)
+    g_ref = torch.autograd.grad(o_ref, (q32, k32, v32), dout.float())
+
+    for b, qs, qe, ks, ke in bounds:
+        if qe == qs:  # no queries: this sequence's keys get no gradient
+            assert not dk[ks:ke].any() and not dv[ks:ke].any()
+            continue
+        if ke == ks:  # no keys: the rows see nothing
+            assert not out[qs:qe].any() and not dq[qs:qe].any()
+            assert bool((lse[:, qs:qe] == float("-inf")).all())
+            continue
+        qb, kb, vb, dob = (_cupy(x[None, s:e]) for x, s, e in ((q, qs, qe), (k, ks, ke), (v, ks, ke), (dout, qs, qe)))
+        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, causal=causal)
+        _check(f"out[{b}]", out[None, qs:qe], o_ref[None, qs:qe], o_low)
+        lse_ref = _lse_fp32(torch, q[None, qs:qe], k[None, ks:ke], causal)
+        _check(f"lse[{b}]", lse[None, :, qs:qe], lse_ref, lse_ref, atol=2e-3)
+        g_low = ref.attention_ref_backward_lowp(dob, qb, kb, vb, causal=causal)
+        for name, g, gr, gl, s, e in (("dq", dq, g_ref[0], g_low[0], qs, qe), ("dk", dk, g_ref[1], g_low[1], ks, ke),
+                                      ("dv", dv, g_ref[2], g_low[2], ks, ke)):
+            _check(f"{name}[{b}]", g[None, s:e], gr[None, s:e], gl)
+    # rows after the last sequence belong to none
+    end_q, end_k = sum(lens_q), sum(lens_k)
+    assert not out[end_q:].any() and not dq[end_q:].any()
+    assert not dk[end_k:].any() and not dv[end_k:].any()
+    assert bool((lse[:, end_q:] == float("-inf")).all())
+
+
+def test_torch_varlen_switch_paths_agree(torch, ct):
+    lens_q, lens_k = [50, 0, 90], [64, 7, 90]
+    q, k, v, cu_q, cu_k = _torch_varlen_inputs(torch, lens_q, lens_k, 64)
+    ct.use_custom_op(True)
+    a = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 90, 90, causal=True)
+    assert "cuflash_flash_attn_varlen_fwd" in type(a.grad_fn).__name__
+    ct.use_custom_op(False)
+    b = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 90, 90, causal=True)
+    assert "FlashAttnVarlenFunction" in type(b.grad_fn).__name__
+    assert torch.equal(a, b)  # same kernels, deterministic forward
+    dout = torch.randn_like(a)
+    ga = torch.autograd.grad(a, (q, k, v), dout)
+    gb = torch.autograd.grad(b, (q, k, v), dout)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=2e-2, rtol=2e-2)  # dQ's fp32 atomics add in any order
+
+
+def test_torch_varlen_opcheck(torch, ct):
+    lens_q, lens_k = [64, 0, 37], [80, 5, 37]
+    q, k, v, cu_q, cu_k = _torch_varlen_inputs(torch, lens_q, lens_k, 64)
+    fwd = torch.ops.cuflash.flash_attn_varlen_fwd.default
+    bwd = torch.ops.cuflash.flash_attn_varlen_bwd.default
+    tol = dict(atol=2e-2, rtol=2e-2)  # without deterministic=True, dQ's fp32 atomics add in any order
+    seed = torch.tensor(123456789, dtype=torch.int64)  # a CPU seed tensor, as flash_attn_varlen_func draws it
+    base = (q, k, v, cu_q, cu_k, 64, 80)
+    torch.library.opcheck(fwd, base + (None, True, -1, -1, 0.0, None, "auto", False, True), **tol)
+    torch.library.opcheck(fwd, base + (0.2, False, 16, 8, 0.0, None, "auto", False, False), **tol)
+    torch.library.opcheck(fwd, base + (None, True, -1, -1, 0.0, None, "auto", True, True, 0.17, seed, 0), **tol)
+    with torch.no_grad():
+        out, lse = fwd(*base, None, True, -1, -1, 0.0, None, "auto", False, True)
+    dout = torch.randn_like(out)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    bwd_base = (dout, qd, kd, vd, out, lse, cu_q, cu_k, 64, 80)
+    torch.library.opcheck(bwd, bwd_base + (None, True, -1, -1, 0.0, None, "auto", False, False), **tol)
+    torch.library.opcheck(bwd, bwd_base + (None, True, -1, -1, 0.0, None, "auto", True, True), **tol)
+
+
+def test_torch_opcheck_with_dropout(torch, ct):
+    q, k, v = _torch_inputs(torch, 1, 64, 96, 64)
+    fwd, bwd = torch.ops.cuflash.flash_attn_fwd.default, torch.ops.cuflash.flash_attn_bwd.default
+    tol = dict(atol=2e-2, rtol=2e-2)
+    seed = torch.tensor(987654321, dtype=torch.int64)
+    torch.library.opcheck(fwd, (q, k, v, None, True, -1, -1, 0.0, None, "auto", False, 0.17, seed, 0), **tol)
+    with torch.no_grad():
+        out, lse = fwd(q, k, v, None, True, -1, -1, 0.0, None, "auto", False, 0.17, seed, 0)
+    dout = torch.randn_like(out)
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    torch.library.opcheck(bwd, (dout, qd, kd, vd, out, lse, None, True, -1, -1, 0.0, None, "auto", True, 0.17, seed,
+                                0), **tol)
+
+
+# --- torch: dropout ----------------------------------------------------------------------------------
+
+_DROP_LENS = ([150, 0, 77, 1], [233, 9, 77, 40])
+
+
+def _dropout_case(torch, ct, varlen, dropout_p=0.17, deterministic=True):
+    """(inputs, f): f() runs the attention with dropout (causal, GQA), drawing its seed from torch's RNG."""
+    if varlen:
+        q, k, v, cu_q, cu_k = _torch_varlen_inputs(torch, *_DROP_LENS, 64, seed=3)
+
+        def f():
+            return ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(_DROP_LENS[0]), max(_DROP_LENS[1]), dropout_p,
+                                             causal=True, deterministic=deterministic)
+    else:
+        q, k, v = _torch_inputs(torch, 2, 150, 233, 64, seed=3)
+
+        def f():
+            return ct.flash_attn_func(q, k, v, causal=True, deterministic=deterministic, dropout_p=dropout_p)
+    return (q, k, v), f
+
+
+@pytest.mark.parametrize("custom_op", [True, False], ids=["custom_op", "autograd_function"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_torch_dropout_reproducible_by_manual_seed(torch, ct, custom_op, varlen):
+    """torch.manual_seed(s) fixes the dropout mask: the same seed gives bit-identical outputs and
+    (deterministic=True) gradients, another seed other ones."""
+    if not _backward_takes("deterministic"):
+        pytest.skip("this cuflash's backward has no deterministic option")
+    ct.use_custom_op(custom_op)
+    (q, k, v), f = _dropout_case(torch, ct, varlen)
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32,
+                       generator=torch.Generator(device="cuda").manual_seed(11)).to(q.dtype)
+
+    def run(manual_seed):
+        torch.manual_seed(manual_seed)
+        out = f()
+        return out, torch.autograd.grad(out, (q, k, v), dout)
+
+    a, b, c = run(1234), run(1234), run(4321)
+    assert torch.equal(a[0], b[0])
+    for x, y in zip(a[1], b[1]):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[0], c[0])
+    for x, y in zip(a[1], c[1]):
+        assert not torch.equal(x, y)
+    # dropout actually drops: the output differs from the one without dropout
+    (_, no_dropout) = _dropout_case(torch, ct, varlen, dropout_p=0.0)
+    assert not torch.equal(a[0], no_dropout())
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_torch_dropout_matches_reference_mask(torch, ct, varlen):
+    """The seed the adapter draws after torch.manual_seed(s) is the first torch.randint of that state;
+    with it cuflash.reference.dropout_mask predicts the mask, and the output and gradients match the
+    reference attention with that mask (so the backward regenerated the forward's mask)."""
+    import cupy
+
+    p = 0.17
+    (q, k, v), f = _dropout_case(torch, ct, varlen, dropout_p=p, deterministic=False)
+    torch.manual_seed(2024)
+    seed = int(ct._draw_dropout_seed())
+    torch.manual_seed(2024)
+    out = f()
+    dout = torch.randn(q.shape, device="cuda", dtype=torch.float32,
+                       generator=torch.Generator(device="cuda").manual_seed(12)).to(q.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if varlen:
+        lens_q, lens_k = _DROP_LENS
+        keep_all = ref.dropout_mask(len(lens_q), H, max(lens_q), max(lens_k), p, seed, 0)
+        pieces = [(b, slice(qs, qe), slice(ks, ke), keep_all[b:b + 1, :, :qe - qs, :ke - ks])
+                  for b, qs, qe, ks, ke in _bounds(lens_q, lens_k) if qe > qs and ke > ks]
+    else:
+        keep = ref.dropout_mask(q.shape[0], H, q.shape[1], k.shape[1], p, seed, 0)
+        pieces = [("all", slice(None), slice(None), keep)]
+    for b, rows_q, rows_k, keep in pieces:
+        sel = (lambda x, rows: x[None, rows]) if varlen else (lambda x, rows: x)
+        qb, kb, vb = _cupy(sel(q, rows_q)), _cupy(sel(k, rows_k)), _cupy(sel(v, rows_k))
+        dob = _cupy(sel(dout, rows_q))
+        rkw = dict(causal=True, dropout_p=p, dropout_keep=cupy.asarray(np.ascontiguousarray(keep)))
+        o_ref, _ = ref.attention_ref(qb, kb, vb, **rkw)
+        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, **rkw)
+        _check(f"out[{b}]", sel(out, rows_q), o_ref, o_low)
+        g_ref = ref.attention_ref_backward(dob, qb, kb, vb, **rkw)
+        g_low = ref.attention_ref_backward_lowp(dob, qb, kb, vb, **rkw)
+        for name, g, rows, gr, gl in zip(("dq", "dk", "dv"), grads, (rows_q, rows_k, rows_k), g_ref, g_low):
+            _check(f"{name}[{b}]", sel(g, rows), gr, gl)
+
+
+def test_torch_dropout_zero_draws_no_seed(torch, ct):
+    q, k, v = _torch_inputs(torch, 1, 64, 64, 64, requires_grad=False)
+    state = torch.get_rng_state()
+    a = ct.flash_attn_func(q, k, v, causal=True, dropout_p=0.0)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(a, ct.flash_attn_func(q, k, v, causal=True))
 
 
 # ------------------------------------------------------------------------------------------------
