@@ -11,8 +11,8 @@
 
 Public functions
 ----------------
-``flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-alibi_slopes=None, return_lse=False, impl="auto", deterministic=False, dropout_p=0.0)``
+``flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+alibi_slopes=None, deterministic=False, return_lse=False, impl="auto")``
     ``cuflash.flash_attn_func`` on torch tensors, differentiable with respect to q, k and v. Layout,
     masks and options are those of ``cuflash.flash_attn_func``. With ``return_lse=True`` it returns
     ``(out, lse)``; lse (batch, heads, seqlen_q, float32) is not differentiable (a loss that uses it
@@ -20,9 +20,8 @@ alibi_slopes=None, return_lse=False, impl="auto", deterministic=False, dropout_p
     options (softcap, ALiBi and dropout included; ``deterministic=True`` asks it for bit-reproducible
     gradients); an option the installed backward lacks makes the backward raise ``ValueError``, the
     forward alone works. ``impl`` picks the kernel family of the forward; the backward uses the same
-    family where that family has a backward kernel, otherwise "auto". (``dropout_p`` comes last here,
-    after the options this function had before it, so that positional calls keep their meaning; in
-    flash-attn it is the fourth argument.)
+    family where that family has a backward kernel, otherwise "auto". Positional arguments follow
+    flash-attn's ``flash_attn_func`` (``dropout_p`` fourth), so switching is a change of import.
 ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
 impl="auto", deterministic=False, validate=True)``
@@ -539,8 +538,8 @@ def _max_seqlen(name, value):
     return value
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, return_lse=False, impl="auto", deterministic=False, dropout_p=0.0):
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_lse=False, impl="auto"):
     """Exact attention on torch CUDA tensors, differentiable with respect to q, k and v.
 
     q (batch, seqlen_q, heads, headdim), k/v (batch, seqlen_k, kv_heads, headdim), fp16 or bf16.

@@ -418,7 +418,7 @@ def test_torch_options_reach_cuflash(cpu_attention, monkeypatch):
     q, k, v = _qkv(torch, sq=7, sk=7)
     for custom_op in (True, False):
         ct.use_custom_op(custom_op)
-        out = ct.flash_attn_func(q, k, v, 0.25, True, (3, 5), impl="fa2", deterministic=True)
+        out = ct.flash_attn_func(q, k, v, 0.0, 0.25, True, (3, 5), impl="fa2", deterministic=True)
         out.sum().backward()
         fwd, bwd = calls[-2][1], calls[-1][1]
         assert fwd == dict(causal=True, softmax_scale=0.25, window_size=(3, 5), softcap=0.0, impl="fa2",
