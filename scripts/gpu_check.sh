@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, then the benchmark suites, logs and JSON under $OUT.
-#   scripts/gpu_check.sh [STAGE...]   stages: tests, bench, quick (a small perf probe), sanitize
+#   scripts/gpu_check.sh [STAGE...]   stages: tests, bench, long (64k tokens: naive runs out of memory),
+#                                     quick (a small perf probe), sanitize
 # Default: tests bench. Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,12 @@ for stage in "${stages[@]}"; do
         python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" --svg "$OUT/h200-$suite.svg" \
           ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$suite.log" | tail -60 || status=1
       done ;;
+    long)
+      # One sequence of 64k tokens: the naive attention needs a 64k x 64k score matrix per head (275 GB in
+      # fp32 at 16 heads) and runs out of memory; cuflash needs the LSE beyond its inputs and output.
+      python3 -m cuflash bench --suite prefill --headdims 128 --seqlens 65536 --causal false --reps 5 \
+        --impls cuflash-fa1,cuflash-fa2,torch-flash,torch-cudnn,naive --json "$OUT/h200-prefill-long.json" 2>&1 \
+        | tee "$OUT/bench-long.log" | tail -20 || status=1 ;;
     quick)
       python3 scripts/quick_perf.py 2>&1 | tee "$OUT/quick.log" || status=1 ;;
     sanitize)
