@@ -4,6 +4,8 @@ Names and semantics follow flash-attn, so switching is a change of import.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from . import _validate, fa1, fa2, fa3
 from ._interop import Call
 from .heuristics import IMPL_PREFERENCE
@@ -124,6 +126,36 @@ def _kernel_options(softcap: float, alibi_slopes, dropout, deterministic: bool =
     return options
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What every public call resolves before launching: scale, window, kernel family, kernel options."""
+
+    scale: float
+    window: tuple[int, int]
+    family: object
+    options: dict
+
+
+def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax_scale, window_size, softcap,
+          alibi_slopes, dropout_p, dropout_seed, dropout_offset, deterministic=False, cu_seqlens=None) -> _Plan:
+    """Checks the options shared by the four public functions (in a fixed order, each naming its argument)
+    and picks the kernel family. ``alibi_index``: where alibi_slopes sits in ``call``'s arrays."""
+    scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+    window = _validate.window_bounds(window_size, causal, dims)
+    softcap = _validate.softcap_value(softcap)
+    dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
+    alibi = None
+    if alibi_slopes is not None:
+        _validate.check_alibi_slopes(call.specs[alibi_index], dims, call.specs[0])
+        alibi = call.arrays[alibi_index]
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
+    features = _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=cu_seqlens is not None,
+                         dropout=dropout)
+    family = _pick_impl(impl, dims.headdim, call.device.id, direction, features)
+    return _Plan(scale, window, family, _kernel_options(softcap, alibi, dropout, deterministic, cu_seqlens))
+
+
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
                     impl="auto"):
@@ -147,20 +179,14 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     with Call(arrays) as call:
         qs, ks, vs = call.specs[:3]
         dims = _validate.check_qkv(qs, ks, vs)
-        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
-        window = _validate.window_bounds(window_size, causal, dims)
-        softcap = _validate.softcap_value(softcap)
-        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
-        if alibi_slopes is not None:
-            _validate.check_alibi_slopes(call.specs[3], dims, qs)
-        family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
-                            _features(causal, window_size, softcap, alibi_slopes, dropout=dropout))
+        plan = _plan(call, dims, "forward", alibi_index=3, impl=impl, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset)
 
         qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        options = _kernel_options(softcap, call.arrays[3] if alibi_slopes is not None else None, dropout)
-        family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **options)
+        plan.family.forward(qa, ka, va, out, lse, dims, plan.window, plan.scale, call.stream, **plan.options)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
@@ -187,16 +213,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         _validate.check_like(os_, qs)
         _validate.check_like(dos, qs)
         _validate.check_lse(lses, dims, qs)
-        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
-        window = _validate.window_bounds(window_size, causal, dims)
-        softcap = _validate.softcap_value(softcap)
-        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
-        if alibi_slopes is not None:
-            _validate.check_alibi_slopes(call.specs[6], dims, qs)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
-        family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
-                            _features(causal, window_size, softcap, alibi_slopes, deterministic, dropout=dropout))
+        plan = _plan(call, dims, "backward", alibi_index=6, impl=impl, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic)
 
         qa, ka, va, oa, doa, lsea = call.arrays[:6]
         dq = cupy.empty_like(qa)
@@ -204,10 +223,8 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         dv = cupy.empty_like(dk)
         dq_accum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q, dims.headdim), dtype=cupy.float32)
         dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        options = _kernel_options(softcap, call.arrays[6] if alibi_slopes is not None else None, dropout,
-                                  deterministic)
-        family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
-                        **options)
+        plan.family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, plan.window, plan.scale,
+                             call.stream, **plan.options)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 
@@ -248,22 +265,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         arrays.append(("alibi_slopes", alibi_slopes))
     with Call(arrays) as call:
         dims = _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
-        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
-        window = _validate.window_bounds(window_size, causal, dims)
-        softcap = _validate.softcap_value(softcap)
-        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
-        if alibi_slopes is not None:
-            _validate.check_alibi_slopes(call.specs[5], dims, call.specs[0])
-        family = _pick_impl(impl, dims.headdim, call.device.id, "forward",
-                            _features(causal, window_size, softcap, alibi_slopes, varlen=True, dropout=dropout))
         qa, ka, va, cu_q, cu_k = call.arrays[:5]
+        plan = _plan(call, dims, "forward", alibi_index=5, impl=impl, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset, cu_seqlens=(cu_q, cu_k))
         # Rows after cu_seqlens_q[-1] belong to no sequence: they stay 0 with LSE -inf.
         out = cupy.zeros(qa.shape, dtype=qa.dtype)
         lse = cupy.full((dims.heads, qa.shape[0]), -cupy.inf, dtype=cupy.float32)
         if dims.batch and dims.seqlen_q:
-            options = _kernel_options(softcap, call.arrays[5] if alibi_slopes is not None else None, dropout,
-                                      cu_seqlens=(cu_q, cu_k))
-            family.forward(qa, ka, va, out, lse, dims, window, scale, call.stream, **options)
+            plan.family.forward(qa, ka, va, out, lse, dims, plan.window, plan.scale, call.stream, **plan.options)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
 
 
@@ -289,28 +299,19 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
             raise ValueError(f"lse must be a contiguous float32 array of shape (heads, total_q) = {want}; got "
                              f"{lses.dtype} {lses.shape} with strides {lses.strides}")
         _validate.check_same_device([qs, lses])
-        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
-        window = _validate.window_bounds(window_size, causal, dims)
-        softcap = _validate.softcap_value(softcap)
-        dropout = _validate.dropout_args(dropout_p, dropout_seed, dropout_offset)
-        if alibi_slopes is not None:
-            _validate.check_alibi_slopes(call.specs[8], dims, qs)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
-        family = _pick_impl(impl, dims.headdim, call.device.id, "backward",
-                            _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=True,
-                                      dropout=dropout))
         qa, ka, va, cu_q, cu_k, oa, doa, lsea = call.arrays[:8]
+        plan = _plan(call, dims, "backward", alibi_index=8, impl=impl, causal=causal, softmax_scale=softmax_scale,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                     dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic,
+                     cu_seqlens=(cu_q, cu_k))
         dq = cupy.zeros_like(qa)  # rows past cu_q[-1] belong to no sequence: 0
         dk = cupy.zeros_like(ka)
         dv = cupy.zeros_like(va)
         if dims.batch and dims.seqlen_q and dims.seqlen_k:
             dq_accum = cupy.empty((dims.heads, qa.shape[0], dims.headdim), dtype=cupy.float32)
             dsum = cupy.empty((dims.heads, qa.shape[0]), dtype=cupy.float32)
-            options = _kernel_options(softcap, call.arrays[8] if alibi_slopes is not None else None, dropout,
-                                      deterministic, cu_seqlens=(cu_q, cu_k))
-            family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, window, scale, call.stream,
-                            **options)
+            plan.family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, plan.window,
+                                 plan.scale, call.stream, **plan.options)
         return call.wrap(dq), call.wrap(dk), call.wrap(dv)
 
 
