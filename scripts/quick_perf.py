@@ -5,20 +5,11 @@ import numpy as np
 
 import cuflash
 from cuflash import reference as ref
+from cuflash.bench import time_fn
 
 
 def median_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(np.median(times))
+    return time_fn(fn, warmup=3, reps=reps)
 
 
 def main():

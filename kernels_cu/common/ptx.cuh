@@ -85,6 +85,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans_at(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
+// tanh on the special-function unit (softcap: logits = softcap * tanh(scale * s / softcap)).
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Acquire / release accesses to a global flag (ordered dQ accumulation across thread blocks).
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;

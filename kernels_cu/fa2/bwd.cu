@@ -62,12 +62,6 @@ struct Smem {
     FastSmemTile<BM, BN> ds;  // dS (rows = queries)
 };
 
-__device__ __forceinline__ float tanh_approx(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);

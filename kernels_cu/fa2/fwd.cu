@@ -105,12 +105,6 @@ __device__ __forceinline__ void pv_product(const KVAddr& v, u32 v_stage, int n0,
     }
 }
 
-__device__ __forceinline__ float tanh_approx(float x) {
-    float y;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Fold one step of scores into the running softmax: apply softcap / ALiBi / mask to the raw scores,
 // update each row's max and (per-thread partial) sum, turn S into P = 2^(s*c - m*c) in place, and
 // rescale O where a row max moved. row_lo: this thread's first row (the other is row_lo + 8) of
