@@ -7,6 +7,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
+from gpu_checks import check_backward, check_forward, inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -16,23 +17,11 @@ SEQLENS = [(113, 239), (239, 113), (1, 1023), (1023, 1023), (7, 1)]
 HEADS = [(4, 4), (6, 2), (4, 1)]  # (heads, kv_heads): MHA, GQA, MQA
 
 
-def _inputs(rng, b, sq, sk, h, hkv, d, dtype):
-    import cupy
-
-    def rand(*shape):
-        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-    return rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
+_inputs = inputs
 
 
-def _check_forward(q, k, v, causal, window=(-1, -1), dtype="bfloat16"):
-    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, impl="fa1")
-    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, window_size=window)
-    o_low, _ = ref.attention_ref_lowp(q, k, v, causal=causal, window_size=window)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    ref.check_close("out", out, o_ref, o_low)
-    ref.check_close("lse", lse, lse_ref, lse_ref, atol=1e-3)
-    return out, lse
+def _check_forward(q, k, v, causal, window=(-1, -1)):
+    return check_forward("fa1", q, k, v, causal=causal, window_size=window, lse_atol=1e-3)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
@@ -81,16 +70,7 @@ def test_forward_strided_inputs(poison_allocations):
 
 
 def _check_backward(q, k, v, causal, window=(-1, -1)):
-    import cupy
-
-    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, impl="fa1")
-    dout = cupy.asarray(np.random.default_rng().standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
-    dq, dk, dv = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window, impl="fa1")
-    grads_ref = ref.attention_ref_backward(dout, q, k, v, causal=causal, window_size=window)
-    grads_low = ref.attention_ref_backward_lowp(dout, q, k, v, causal=causal, window_size=window)
-    for name, g, g_ref, g_low, like in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, grads_low, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype
-        ref.check_close(name, g, g_ref, g_low)
+    check_backward("fa1", q, k, v, causal=causal, window_size=window)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)

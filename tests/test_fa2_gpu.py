@@ -6,7 +6,8 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
-from test_fa1_gpu import _inputs
+from gpu_checks import check_backward, check_forward
+from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -16,15 +17,8 @@ HEADS = [(4, 4), (6, 2), (4, 1)]
 
 
 def _check(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None):
-    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap,
-                                       alibi_slopes=alibi_slopes, return_lse=True, impl="fa2")
-    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    o_ref, lse_ref = ref.attention_ref(q, k, v, **kw)
-    o_low, _ = ref.attention_ref_lowp(q, k, v, **kw)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    ref.check_close("out", out, o_ref, o_low)
-    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
-    return out, lse
+    return check_forward("fa2", q, k, v, causal=causal, window_size=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
@@ -101,18 +95,8 @@ def test_forward_is_deterministic():
 # --- backward ------------------------------------------------------------------------------------------
 
 def _check_backward(q, k, v, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False):
-    import cupy
-
-    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa2", **kw)
-    dout = cupy.asarray(np.random.default_rng().standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
-    grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="fa2", deterministic=deterministic, **kw)
-    grads_ref = ref.attention_ref_backward(dout, q, k, v, **kw)
-    grads_low = ref.attention_ref_backward_lowp(dout, q, k, v, **kw)
-    for name, g, g_ref, g_low, like in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low, (q, k, v)):
-        assert g.shape == like.shape and g.dtype == like.dtype
-        ref.check_close(name, g, g_ref, g_low)
-    return dout, out, lse, grads
+    return check_backward("fa2", q, k, v, causal=causal, window_size=window, softcap=softcap,
+                          alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import reference as ref
-from test_fa1_gpu import _inputs
+from gpu_checks import check_forward
+from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -25,12 +25,7 @@ HEADS = [(4, 4), (6, 2), (4, 1)]
 
 
 def _check(q, k, v, causal=False, window=(-1, -1)):
-    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True, impl="fa3")
-    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal, window_size=window)
-    o_low, _ = ref.attention_ref_lowp(q, k, v, causal=causal, window_size=window)
-    assert out.dtype == q.dtype and out.shape == q.shape
-    ref.check_close("out", out, o_ref, o_low)
-    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+    check_forward("fa3", q, k, v, causal=causal, window_size=window)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
