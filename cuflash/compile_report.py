@@ -142,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="sm_90a", help="target, e.g. sm_80, sm_90a (default sm_90a)")
     parser.add_argument("--family", default=None, help="only this kernel family (e.g. fa1)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="compile this many variants at once (default: one per CPU core)")
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -164,12 +166,23 @@ def _print_table(rows: list[dict]) -> None:
     console.print(table)
 
 
-def compile_all(arch: str, family: str | None = None) -> list[dict]:
-    return [report_variant(v, arch) for v in all_variants(arch, family)]
+def compile_all(arch: str, family: str | None = None, jobs: int = 1) -> list[dict]:
+    """One report row per variant. NVRTC is single-threaded per program, so ``jobs`` worker processes
+    compile in parallel; each writes its cubin to the shared disk cache (which is what warms it)."""
+    variants = all_variants(arch, family)
+    if jobs <= 1 or len(variants) <= 1:
+        return [report_variant(v, arch) for v in variants]
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("spawn")
+    ) as pool:
+        return list(pool.map(report_variant, variants, [arch] * len(variants)))
 
 
 def run(args) -> int:
-    rows = compile_all(args.arch, args.family)
+    rows = compile_all(args.arch, args.family, getattr(args, "jobs", 1))
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         print()
@@ -185,4 +198,4 @@ def run(args) -> int:
 
 def run_offline_check(arch: str = "sm_90a") -> int:
     """The no-GPU main job: the compile report for ``arch`` as a table."""
-    return run(argparse.Namespace(arch=arch, family=None, json=False))
+    return run(argparse.Namespace(arch=arch, family=None, json=False, jobs=os.cpu_count() or 1))

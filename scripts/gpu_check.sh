@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, then the benchmark suites, logs and JSON under $OUT.
-#   scripts/gpu_check.sh [STAGE...]   stages: tests, bench, long (64k tokens: naive runs out of memory),
-#                                     quick (a small perf probe), sanitize
-# Default: tests bench. Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
+#   scripts/gpu_check.sh [STAGE...]   stages: warm (compile every variant, all cores), tests, risky (the
+#                                     kernels that could hang, each in its own process), bench, long (64k
+#                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
+# Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file). Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -10,8 +11,9 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests bench)
+[ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
+risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_fuzz_gpu.py"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -19,18 +21,23 @@ python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cu
 for stage in "${stages[@]}"; do
   echo "=== $stage ($(date +%T))"
   case $stage in
+    warm)
+      # NVRTC compiles one program per thread: fill the disk cache with every variant on all cores first,
+      # so the tests spend the GPU's time running kernels, not compiling them.
+      python3 -m cuflash compile --arch sm_90a --json > "$OUT/compile.json" 2> "$OUT/compile.err" || status=1
+      tail -3 "$OUT/compile.err" ;;
     tests)
+      ignore=""; for f in $risky; do ignore="$ignore --ignore=$f"; done
+      timeout ${TESTS_TIMEOUT:-900} python3 -m pytest tests -q -m gpu -p no:cacheprovider $ignore ${PYTEST_ARGS:-} \
+        > "$OUT/pytest-gpu.log" 2>&1 || status=1
+      grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log" ;;
+    risky)
       # Kernels that can hang (mbarrier waits) or fault run in their own processes, each under a
       # timeout, so one bad kernel cannot take the rest of the tier with it.
-      risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_fuzz_gpu.py"
-      ignore=""; for f in $risky; do ignore="$ignore --ignore=$f"; done
-      timeout 900 python3 -m pytest tests -q -m gpu -p no:cacheprovider $ignore ${PYTEST_ARGS:-} \
-        > "$OUT/pytest-gpu.log" 2>&1 || status=1
-      grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log"
       for f in $risky; do
         name=$(basename "$f" .py)
-        timeout 600 python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/$name.log" 2>&1 \
-          || status=1
+        timeout ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
+          > "$OUT/$name.log" 2>&1 || status=1
         echo "$name: $(grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -5)"; tail -1 "$OUT/$name.log"
       done ;;
     bench)
