@@ -63,6 +63,14 @@ def _refuse_host_memory(name: str, x) -> None:
         )
 
 
+def _exportable(x):
+    """``x`` ready for DLPack export. torch refuses to export a tensor that requires grad; the plain API
+    is not differentiable (cuflash.torch is), so it reads such a tensor's data through a detached view."""
+    if getattr(x, "requires_grad", False) and hasattr(x, "detach"):
+        return x.detach()
+    return x
+
+
 def _caller_stream(framework: str, x):
     """The stream the caller's framework is issuing work on, as a CuPy stream."""
     import cupy
@@ -92,7 +100,7 @@ class Call:
         self.arrays = []
         with self.device, self.stream:
             for name, x in named_arrays:
-                a = x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(x)
+                a = x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(_exportable(x))
                 self.arrays.append(a)
         self.specs = [Spec.of(name, a) for (name, _), a in zip(named_arrays, self.arrays)]
 

@@ -38,13 +38,21 @@ _MASK_DOC = """
 """
 
 
-def available_impls() -> list[str]:
-    """The cuflash implementations that run on the current GPU (empty without one)."""
+def available_impls(direction: str | None = None) -> list[str]:
+    """The cuflash implementations that run on the current GPU (empty without one).
+
+    ``direction="forward"`` or ``"backward"`` keeps only those with a kernel for that direction.
+    """
     from ._device import compute_capability, has_gpu
 
+    if direction not in (None, "forward", "backward"):
+        raise ValueError(f"direction must be None, 'forward' or 'backward'; got {direction!r}")
     if not has_gpu():
         return []
-    return [name for name, fam in _FAMILIES.items() if _supports_arch(fam, compute_capability()) is None]
+    features = {"forward": "FWD_FEATURES", "backward": "BWD_FEATURES"}.get(direction)
+    return [name for name, fam in _FAMILIES.items()
+            if _supports_arch(fam, compute_capability()) is None
+            and (features is None or getattr(fam, features) is not None)]
 
 
 def _supports_arch(family, cc) -> str | None:

@@ -68,16 +68,17 @@ class Fa2BwdTiles:
     q_split: int = 1  # column chunks of each warp's dQ tile
 
 
-# head dim -> FA2 backward tiles (compile-checked: no spills in any variant; speed not yet tuned). 8 warps.
-# d <= 96: BLOCK_M x BLOCK_N = 64 x 128, S/dP split 2 x 4 over warps (each 32 x 32), dK/dV (128 x d)
-# split 4 x 2; S/dP in two column chunks where registers are tight. d = 128 and 192 take BLOCK_N = 64:
-# at 128 with dK + dV at 32 x 64 per warp (128 registers) ptxas spilled in some variants. d = 256 takes
+# head dim -> FA2 backward tiles (compile-checked: no spills in any variant with NVRTC 13.0 and 13.5; speed
+# not yet tuned). 8 warps. d <= 64: BLOCK_M x BLOCK_N = 64 x 128, S/dP split 2 x 4 over warps (each
+# 32 x 32), dK/dV (128 x d) split 4 x 2; S/dP in two column chunks where registers are tight. d = 96, 128
+# and 192 take BLOCK_N = 64: at 128 with dK + dV at 32 x 64 per warp (128 registers) ptxas spilled in some
+# variants, and at 96 NVRTC 13.0 spilled up to 120 bytes with BLOCK_N = 128 (13.5 did not). d = 256 takes
 # BLOCK_N = 32 (dK/dV 16 x 64 per warp) and one Q/dO stage: 106 KB of shared memory, so it also runs
 # on sm_86/sm_89-class limits only at d <= 64 (the rest needs the 163 KB+ of sm_80/sm_90).
 FA2_BWD_TILES = {
     32: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4),
     64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2, s_split=2),
-    96: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=2),
+    96: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4),
     128: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
     192: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, q_split=2),
     256: Fa2BwdTiles(64, 32, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=2, q_split=2),

@@ -28,7 +28,7 @@ for stage in "${stages[@]}"; do
       tail -3 "$OUT/compile.err" ;;
     tests)
       ignore=""; for f in $risky; do ignore="$ignore --ignore=$f"; done
-      timeout ${TESTS_TIMEOUT:-900} python3 -m pytest tests -q -m gpu -p no:cacheprovider $ignore ${PYTEST_ARGS:-} \
+      timeout ${TESTS_TIMEOUT:-900} python3 -m pytest tests -q -m gpu -p no:cacheprovider --durations=25 $ignore ${PYTEST_ARGS:-} \
         > "$OUT/pytest-gpu.log" 2>&1 || status=1
       grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log" ;;
     risky)
@@ -52,7 +52,7 @@ for stage in "${stages[@]}"; do
         --impls cuflash-fa1,cuflash-fa2,torch-flash,torch-cudnn,naive --json "$OUT/h200-prefill-long.json" 2>&1 \
         | tee "$OUT/bench-long.log" | tail -20 || status=1 ;;
     quick)
-      python3 scripts/quick_perf.py 2>&1 | tee "$OUT/quick.log" || status=1 ;;
+      python3 scripts/quick_perf.py ${QUICK_ARGS:-} --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.log" || status=1 ;;
     sanitize)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;

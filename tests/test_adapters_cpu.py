@@ -1260,3 +1260,33 @@ def test_jax_fold_helpers():
     assert cj._fold_bshd(a[0]).shape == (2, 5, 4, 8)
     assert cj._fold_bhs(np.zeros((3, 2, 4, 5))).shape == (6, 4, 5)
     assert cj._fold_bhs(np.zeros((2, 4, 5))).shape == (2, 4, 5)
+
+
+def test_plain_api_reads_tensors_that_require_grad():
+    """torch refuses to export a tensor that requires grad; the plain API reads its data detached."""
+    torch = pytest.importorskip("torch")
+    from cuflash._interop import _exportable
+
+    t = torch.ones(3, requires_grad=True)
+    with pytest.raises(BufferError):
+        t.__dlpack__()
+    view = _exportable(t)
+    assert not view.requires_grad and view.data_ptr() == t.data_ptr()
+    view.__dlpack__()
+    plain = torch.ones(3)
+    assert _exportable(plain) is plain
+
+
+def test_available_impls_direction(monkeypatch):
+    import cuflash
+    from cuflash import _device
+
+    with pytest.raises(ValueError, match="direction"):
+        cuflash.available_impls("sideways")
+    monkeypatch.setattr(_device, "has_gpu", lambda: True)
+    monkeypatch.setattr(_device, "compute_capability", lambda device=None: (9, 0))
+    assert cuflash.available_impls() == ["fa1", "fa2", "fa3"]
+    assert cuflash.available_impls("forward") == ["fa1", "fa2", "fa3"]
+    assert cuflash.available_impls("backward") == ["fa1", "fa2"]  # fa3 has no backward kernel yet
+    monkeypatch.setattr(_device, "compute_capability", lambda device=None: (8, 0))
+    assert cuflash.available_impls("forward") == ["fa1", "fa2"]

@@ -224,7 +224,10 @@ def test_torch_non_default_stream():
         for impl in impls:
             out, lse = cuflash.flash_attn_func(t["q"], t["k"], t["v"], causal=True, return_lse=True, impl=impl)
             assert isinstance(out, torch.Tensor) and isinstance(lse, torch.Tensor)
-            grads = cuflash.flash_attn_backward(t["dout"], t["q"], t["k"], t["v"], out, lse, causal=True, impl=impl)
+            grads = None
+            if impl in cuflash.available_impls("backward"):
+                grads = cuflash.flash_attn_backward(t["dout"], t["q"], t["k"], t["v"], out, lse, causal=True,
+                                                    impl=impl)
             results[impl] = (out, lse, grads)
         if "fa2" in impls:
             cu = torch.tensor([0, 150, 150, 333], dtype=torch.int32, device="cuda")
@@ -242,7 +245,8 @@ def test_torch_non_default_stream():
     for impl in impls:
         out, lse, grads = results[impl]
         _check_forward(cp(out), cp(lse), q, k, v)
-        _check_backward([cp(g) for g in grads], dout, q, k, v)
+        if grads is not None:
+            _check_backward([cp(g) for g in grads], dout, q, k, v)
     if "varlen" in results:
         out, lse = results["varlen"]
         qp, kp, vp = q.reshape(B * SQ, H, D)[: 2 * SK], k.reshape(B * SK, HKV, D), v.reshape(B * SK, HKV, D)
