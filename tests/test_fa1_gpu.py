@@ -106,21 +106,6 @@ def test_forward_is_deterministic():
     assert bool((a.view("uint16") == b.view("uint16")).all())
 
 
-def test_auto_backward_runs_fa1():
-    """FA1 is the only backward so far: impl="auto" gives FA1's gradients (dK/dV are bit-reproducible;
-    dQ sums fp32 atomics in any order)."""
-    import cupy
-
-    rng = np.random.default_rng()
-    q, k, v = _inputs(rng, 1, 64, 64, 2, 2, 64, "bfloat16")
-    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True)
-    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype("bfloat16")
-    _, dk_a, dv_a = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="auto")
-    _, dk_b, dv_b = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="fa1")
-    assert bool((dk_a.view("uint16") == dk_b.view("uint16")).all())
-    assert bool((dv_a.view("uint16") == dv_b.view("uint16")).all())
-
-
 def test_forward_memory_is_lse_only_at_16k():
     """O(N): beyond inputs and output, the forward allocates the fp32 LSE and nothing else; the naive
     reference needs the N x N score matrix."""

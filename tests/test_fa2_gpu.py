@@ -78,11 +78,25 @@ def test_empty_rows(poison_allocations):
     assert bool((lse[:, :, :260] == -np.inf).all())
 
 
-def test_auto_prefers_fa2_forward_and_fa1_backward():
-    q, k, v = _inputs(np.random.default_rng(), 1, 64, 64, 2, 2, 64, "bfloat16")
-    a = cuflash.flash_attn_func(q, k, v, impl="auto")
-    b = cuflash.flash_attn_func(q, k, v, impl="fa2")
-    assert bool((a.view("uint16") == b.view("uint16")).all())
+def test_auto_follows_the_preference_order():
+    """impl="auto" runs the first family of heuristics.IMPL_PREFERENCE that this GPU runs: the same bits
+    as asking for it by name (forward: all of O; backward: dK and dV, since dQ sums fp32 atomics)."""
+    import cupy
+
+    from cuflash.heuristics import IMPL_PREFERENCE
+
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, 1, 200, 200, 2, 2, 64, "bfloat16")
+    fwd = next(n for n in IMPL_PREFERENCE["forward"] if n in cuflash.available_impls("forward"))
+    bwd = next(n for n in IMPL_PREFERENCE["backward"] if n in cuflash.available_impls("backward"))
+    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="auto")
+    named = cuflash.flash_attn_func(q, k, v, impl=fwd)
+    assert bool((out.view("uint16") == named.view("uint16")).all()), f"auto forward is not {fwd}"
+    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype("bfloat16")
+    _, dk_a, dv_a = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="auto")
+    _, dk_b, dv_b = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl=bwd)
+    assert bool((dk_a.view("uint16") == dk_b.view("uint16")).all()), f"auto backward is not {bwd}"
+    assert bool((dv_a.view("uint16") == dv_b.view("uint16")).all()), f"auto backward is not {bwd}"
 
 
 def test_forward_is_deterministic():
