@@ -8,7 +8,7 @@ import sys
 
 def main(path: str, seqlen: int) -> None:
     rows = json.load(open(path))
-    impls = [i for i in ("cuflash-fa1", "cuflash-fa2", "torch-flash", "torch-cudnn", "torch-efficient", "naive")
+    impls = [i for i in ("cuflash-fa1", "cuflash-fa2", "cuflash-fa3", "torch-flash", "torch-cudnn", "torch-efficient", "naive")
              if any(r["impl"] == i for r in rows)]
     idx = {(r["headdim"], r["causal"], r["impl"]): r for r in rows if r["seqlen_q"] == seqlen}
     print(f"| d | causal | " + " | ".join(impls) + " |")
