@@ -102,3 +102,33 @@ def test_fa3_uses_hopper_hardware(report):
     for r in fa3_rows:
         ops = r["opcodes"]
         assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_fa3_softmax_overlaps_the_pv_gemm(headdim):
+    """The FA3 main loop issues S_n = Q K_n^T and O += P_{n-1} V_{n-1}, waits for S_n only
+    (WARPGROUP.DEPBAR.LE gsb0, 0x1), computes the softmax (MUFU.EX2) while the P V GEMM runs, and only
+    then waits for it (DEPBAR ... 0x0). ptxas is free to hoist that last wait above the exponentials (it
+    did, until the wait moved behind the rescale branch), which silently serialises the loop."""
+    import re
+
+    from cuflash import fa3
+    from cuflash._jit import compile_variant
+
+    tool = compile_report.find_tool("nvdisasm")
+    if tool is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16"), "sm_90a").cubin
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        sass = subprocess.run([tool, "-c", fh.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"(WARPGROUP\.DEPBAR\.LE gsb0, 0x[01]|MUFU\.EX2)", sass)
+    first_wait_for_s = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x1")  # the loop: only place with one in flight
+    following = ops[first_wait_for_s + 1:]
+    wait_for_pv = following.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    exps = following[:wait_for_pv].count("MUFU.EX2")
+    assert exps >= 64 * 64 // 128, (  # at least one exponential per score of the tile a thread holds
+        f"only {exps} exponentials between the wait for S and the wait for P V: the softmax does not overlap")

@@ -3,14 +3,16 @@
 // A thread block owns BLOCK_M = 128 query rows of one (batch, head) and runs three warpgroups:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec); one thread TMA-loads the Q tile once
 //             and streams the K and V tiles the rows can see through a STAGES-deep shared-memory ring,
-//             each tile completing a "full" mbarrier, each slot waiting on its "empty" mbarrier first;
-//   consumers (warpgroups 1 and 2, 64 rows each): take registers (setmaxnreg.inc) and per K/V tile run
-//             S = Q K^T (wgmma, both operands in shared memory), the online softmax on the accumulator
-//             registers (exp2 with the scale folded in, O rescaled only when a row max moves), and
-//             O += P V (wgmma with P fed from registers, V read MN-major), then free the slot.
+//             each tile completing a "full" mbarrier, each K or V slot waiting on its own "empty"
+//             mbarrier first (a K slot frees as soon as S is computed, well before its V);
+//   consumers (warpgroups 1 and 2, 64 rows each): take registers (setmaxnreg.inc) and run the online
+//             softmax over the K/V tiles with two overlaps:
+//     - within a warpgroup, iteration n issues S_n = Q K_n^T and O += P_{n-1} V_{n-1} together (both
+//       asynchronous wgmma), then computes the softmax of S_n while the tensor cores finish P_{n-1} V_{n-1};
+//     - between the two warpgroups ("pingpong"), a pair of named barriers makes them take turns issuing
+//       their GEMMs, so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 // Tiles in shared memory are 64-column atoms with the 128-byte swizzle that TMA writes and wgmma reads
-// (common/hopper.cuh). This is version 0: the two consumers do not yet pingpong, and the softmax of one
-// tile does not yet overlap the GEMMs of the next (bench/NOTES.md tracks what comes next).
+// (common/hopper.cuh). Not yet: a persistent tile scheduler and a TMA-store epilogue (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128, 256), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE.
@@ -25,6 +27,7 @@ constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
 constexpr int ATOMS = D / 64;  // 64-column atoms per row
 constexpr int THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
 constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "tiles are whole 64-column atoms; BN is a wgmma N");
@@ -33,14 +36,126 @@ struct Smem {
     alignas(1024) unsigned char q[Q_BYTES];             // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char k[STAGES][KV_BYTES];    // ATOMS atoms of [BN][64]
     alignas(1024) unsigned char v[STAGES][KV_BYTES];
-    u64 q_full, k_full[STAGES], v_full[STAGES], kv_empty[STAGES];
+    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
+
+// Pingpong: consumer c waits on named barrier PINGPONG_BAR + c before issuing its GEMMs and, once they
+// are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
+constexpr int PINGPONG_BAR = 1;
+__device__ __forceinline__ void wait_my_turn(int c) { named_sync(PINGPONG_BAR + c, 256); }
+__device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR + (c ^ 1), 256); }
 
 // Load a [rows][D] tile as ATOMS boxes of 64 columns (the tensor map's box is 64 x rows).
 __device__ __forceinline__ void load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
                                            int head, int batch) {
 #pragma unroll
     for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Consumer steps. A consumer warpgroup holds 64 query rows; each thread two of them (row_lo, row_lo + 8)
+// and, of a 64 x N accumulator, element 4j + e = (row row_lo + 8 (e / 2), column 8 j + 2 q4 + e % 2).
+
+// S = Q K^T for one K tile (asynchronous; one commit group): D / 16 k-steps, 4 per 64-column atom, 32
+// bytes apart inside the atom.
+__device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned char* q_rows, const unsigned char* k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int atom = kk / 4, step = kk % 4;
+        const u64 da = wgmma_desc_advance(wgmma_desc(q_rows + atom * BM * 128), 32 * step);
+        const u64 db = wgmma_desc_advance(wgmma_desc(k + atom * BN * 128), 32 * step);
+        wgmma_ss<BN, 0>(sc, da, db, kk > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V for one V tile (asynchronous; one commit group): P from registers 16 keys at a time; V [BN][D]
+// read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step.
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&pv_a)[BN / 16][4], const unsigned char* v) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+    wgmma_commit();
+}
+
+// P (fp32, accumulator layout) -> 16-bit A fragments: the accumulator of 8 columns is the A layout of
+// 8 k-elements, so keys 16 kk .. 16 kk + 15 are accumulator elements 8 kk .. 8 kk + 7.
+__device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pv_a[kk][r] = elem_t::pack2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
+}
+
+// Running max and exp-sum of this thread's two rows (scores in log2 units: S * scale * log2 e).
+struct OnlineSoftmax {
+    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+
+    // S_n -> P_n = exp2(S scale - m_new) in place, with the mask applied where tile n (of this warpgroup's
+    // 64-row block m64) crosses a mask edge. Returns whether O needs rescaling by alpha (a row max moved
+    // somewhere in the warp).
+    __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, int m64, int n, int row_lo, int q4,
+                                         float scale_log2) {
+        if (!mask.tile_all_visible<64, BN>(m64, n)) {  // only tiles that cross a mask edge pay for this
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (!mask.visible(row_lo + 8 * (e / 2), n * BN + 8 * j + 2 * q4 + e % 2)) sc[4 * j + e] = neg_inf();
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+            mx = quad_max(mx);
+            const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
+            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * scale_log2 - base);
+            row_max[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = sc[4 * j + 2 * r + e];
+                    x = fast_exp2(x * scale_log2 - base);
+                    sum += x;
+                }
+            }
+            row_sum[r] = row_sum[r] * alpha[r] + sum;
+        }
+        return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+    }
+
+    __device__ __forceinline__ void rescale(float (&o)[D / 2]) const {
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+    }
+};
+
+// O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end skipped.
+__device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[D / 2], const OnlineSoftmax& sm,
+                                             int row_lo, int q4, int head, int batch) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_lo + 8 * r;
+        const float l = quad_sum(sm.row_sum[r]);
+        if (row >= p.seqlen_q) continue;
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+            *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if (q4 == 0)
+            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
+                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -62,7 +177,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
-            mbar_init(&sm.kv_empty[s], 2);  // one arrival per consumer warpgroup
+            // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
+            mbar_init(&sm.k_empty[s], CONSUMER_WARPS);
+            mbar_init(&sm.v_empty[s], CONSUMER_WARPS);
         }
         fence_barrier_init();
     }
@@ -76,9 +193,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             load_atoms(sm.q, BM, &map_q, &sm.q_full, m_block * BM, head, batch);
             for (int n = n_lo, i = 0; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
-                mbar_wait(&sm.kv_empty[s], ((i / STAGES) & 1) ^ 1);  // the slot's previous tile is consumed
+                const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
+                mbar_wait(&sm.k_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.k_full[s], KV_BYTES);
                 load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], n * BN, kv_head, batch);
+                mbar_wait(&sm.v_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.v_full[s], KV_BYTES);
                 load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], n * BN, kv_head, batch);
             }
@@ -91,98 +210,67 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     const int row_lo = m_block * BM + c * 64 + 16 * w + g;  // this thread's rows: row_lo and row_lo + 8
+    const unsigned char* q_rows = sm.q + c * 64 * 128;     // this warpgroup's 64 rows of every Q atom
 
     float o[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f};
+    OnlineSoftmax softmax;
+    float sc[BN / 2];      // S_n, then P_n in fp32 (accumulator layout)
+    u32 pv_a[BN / 16][4];  // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
 
-    if (n_lo < n_hi) mbar_wait(&sm.q_full, 0);
-    for (int n = n_lo, i = 0; n < n_hi; ++n, ++i) {
-        const int s = i % STAGES;
-        const u32 parity = (i / STAGES) & 1;
+    if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
+        store_output(p, o, softmax, row_lo, q4, head, batch);
+        return;
+    }
+    if (c == 1) pass_the_turn(c);  // consumer 0 issues first
+    mbar_wait(&sm.q_full, 0);
 
-        // S = Q K^T: D / 16 k-steps, 4 per 64-column atom, 32 bytes apart inside the atom.
-        float sc[BN / 2];
-        mbar_wait(&sm.k_full[s], parity);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const int atom = kk / 4, step = kk % 4;
-            const u64 da = wgmma_desc_advance(wgmma_desc(sm.q + atom * BM * 128 + c * 64 * 128), 32 * step);
-            const u64 db = wgmma_desc_advance(wgmma_desc(sm.k[s] + atom * BN * 128), 32 * step);
-            wgmma_ss<BN, 0>(sc, da, db, kk > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
+    // Prologue: S_0 and its softmax; nothing to overlap with yet.
+    wait_my_turn(c);
+    mbar_wait(&sm.k_full[0], 0);
+    issue_qk(sc, q_rows, sm.k[0]);
+    pass_the_turn(c);
+    wgmma_wait<0>();
+    wgmma_fence_regs(sc);
+    if (lane == 0) mbar_arrive(&sm.k_empty[0]);
+    softmax.step(sc, mask, m_block * 2 + c, n_lo, row_lo, q4, p.scale_log2);
+    pack_p(sc, pv_a);
+
+    for (int n = n_lo + 1, i = 1; n < n_hi; ++n, ++i) {
+        const int s = i % STAGES, s_prev = (i - 1) % STAGES;
+        wait_my_turn(c);
+        mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
+        mbar_wait(&sm.v_full[s_prev], ((i - 1) / STAGES) & 1);
+        issue_qk(sc, q_rows, sm.k[s]);
+        issue_pv(o, pv_a, sm.v[s_prev]);
+        pass_the_turn(c);
+
+        wgmma_wait<1>();  // S_n is done; P_{n-1} V_{n-1} may still run
         wgmma_fence_regs(sc);
-
-        // Online softmax on the accumulator: element 4j + e is row row_lo + 8 (e / 2), key n BN + 8 j + 2 q4 + e % 2.
-        if (!mask.tile_all_visible<BM, BN>(m_block, n)) {  // only tiles that cross a mask edge pay for this
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (!mask.visible(row_lo + 8 * (e / 2), n * BN + 8 * j + 2 * q4 + e % 2)) sc[4 * j + e] = neg_inf();
+        if (lane == 0) mbar_arrive(&sm.k_empty[s]);
+        const bool rescale = softmax.step(sc, mask, m_block * 2 + c, n, row_lo, q4, p.scale_log2);
+        // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas hoists
+        // it above the exponentials, which serialises the loop (tests/test_compile.py checks the SASS).
+        if (rescale) {
+            wgmma_wait<0>();
+            wgmma_fence_regs(o);
+            softmax.rescale(o);
+        } else {
+            wgmma_wait<0>();
+            wgmma_fence_regs(o);
         }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            mx = quad_max(mx);
-            const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
-            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * p.scale_log2 - base);
-            row_max[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float& x = sc[4 * j + 2 * r + e];
-                    x = fast_exp2(x * p.scale_log2 - base);
-                    sum += x;
-                }
-            }
-            row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) o[4 * j] *= alpha[0], o[4 * j + 1] *= alpha[0], o[4 * j + 2] *= alpha[1],
-                                                 o[4 * j + 3] *= alpha[1];
-        }
-
-        // O += P V: P (64 x BN) from registers 16 keys at a time; V [BN][D] is read MN-major, its 64-column
-        // atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step.
-        mbar_wait(&sm.v_full[s], parity);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            const u32 a[4] = {elem_t::pack2(sc[8 * kk], sc[8 * kk + 1]), elem_t::pack2(sc[8 * kk + 2], sc[8 * kk + 3]),
-                              elem_t::pack2(sc[8 * kk + 4], sc[8 * kk + 5]),
-                              elem_t::pack2(sc[8 * kk + 6], sc[8 * kk + 7])};
-            wgmma_rs<D, 1>(o, a, wgmma_desc_mn(sm.v[s] + kk * 16 * 128, BN * 128), 1);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_regs(o);
-        if (t == 0) mbar_arrive(&sm.kv_empty[s]);  // this warpgroup is done with the slot
+        pack_p(sc, pv_a);
+        if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
     }
 
-    // Epilogue: O /= l straight from the accumulator, LSE = (m c + log2 l) ln 2; rows past the end skipped.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row_lo + 8 * r;
-        const float l = quad_sum(row_sum[r]);
-        if (row >= p.seqlen_q) continue;
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j)
-            *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if (q4 == 0)
-            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
-                l > 0.f ? (row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
-    }
+    // Epilogue: the last P V.
+    const int last = (n_hi - n_lo - 1) % STAGES;
+    wait_my_turn(c);
+    mbar_wait(&sm.v_full[last], ((n_hi - n_lo - 1) / STAGES) & 1);
+    issue_pv(o, pv_a, sm.v[last]);
+    if (c == 0) pass_the_turn(c);  // consumer 1 issues last: nobody waits for its turn to end
+    wgmma_wait<0>();
+    wgmma_fence_regs(o);
+    store_output(p, o, softmax, row_lo, q4, head, batch);
 }
