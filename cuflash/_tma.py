@@ -1,11 +1,15 @@
 """Tensor maps (TMA descriptors) for the Hopper kernels, encoded on the host.
 
-CuPy exposes no ``cuTensorMapEncodeTiled``; ``cuda.bindings.driver`` does (installed with CUDA Python,
-present on the H200 machine). The encoded ``CUtensorMap`` is 128 opaque bytes; it is handed to a kernel
-by value as a size-1 numpy array of a 64-byte-aligned 128-byte dtype, matching ``TensorMap`` in
-kernels_cu/common/hopper.cuh, for a ``const __grid_constant__ TensorMap`` parameter.
+CuPy exposes no ``cuTensorMapEncodeTiled``; ``cuda.bindings.driver`` does (the ``cuda-bindings``
+dependency). The encoded ``CUtensorMap`` is 128 opaque bytes; it is handed to a kernel
+by value as a size-1 numpy array of a 128-byte dtype, for a ``const __grid_constant__ TensorMap``
+parameter (kernels_cu/common/hopper.cuh). The launch passes a pointer per parameter and the driver copies
+each into the kernel's own parameter layout, where ``TensorMap`` is 64-byte aligned; the host copy
+needs no particular alignment.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -22,7 +26,20 @@ def encode_tiled(ptr: int, dtype: str, shape: tuple[int, ...], strides_bytes: tu
                  swizzle: int = 128) -> np.ndarray:
     """A tensor map over ``shape`` (innermost dimension first, as the driver wants it) whose outer
     dimensions are ``strides_bytes`` apart (one fewer entry than ``shape``; multiples of 16), loading
-    ``box`` elements per copy. Out-of-range elements of a box read as zeros. Returns the kernel argument."""
+    ``box`` elements per copy. Out-of-range elements of a box read as zeros. Returns the kernel argument
+    (do not modify it: it is shared).
+
+    Encoding through cuda.bindings costs tens of microseconds of Python per map, as much as a short
+    attention kernel runs; a map is a pure function of its arguments, so repeated calls (a training or
+    decode loop, whose allocator hands back the same buffers) take it from a small cache.
+    """
+    return _encode_tiled_cached(int(ptr), str(dtype), tuple(int(x) for x in shape),
+                                tuple(int(x) for x in strides_bytes), tuple(int(x) for x in box), int(swizzle))
+
+
+@functools.lru_cache(maxsize=512)
+def _encode_tiled_cached(ptr: int, dtype: str, shape: tuple[int, ...], strides_bytes: tuple[int, ...],
+                         box: tuple[int, ...], swizzle: int) -> np.ndarray:
     from cuda.bindings import driver
 
     rank = len(shape)
