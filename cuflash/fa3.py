@@ -37,7 +37,7 @@ LOG2E = 1.0 / math.log(2.0)
 def fwd_variant(headdim: int, dtype: str) -> Variant:
     t = FA3_TILES[headdim]
     q_bytes, kv_bytes = BLOCK_M * headdim * 2, t.block_n * headdim * 2
-    smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (1 + 3 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
+    smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
@@ -71,5 +71,12 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_row_strides(p, dims, None)
     fill_dims(p, dims, window)
     p["scale_log2"] = scale * LOG2E
-    grid = ((dims.seqlen_q + BLOCK_M - 1) // BLOCK_M, dims.heads, dims.batch)
+    tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch
+    grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     get_function(variant)(grid, (THREADS,), (map_q, map_k, map_v, p), shared_mem=variant.smem_bytes, stream=stream)
+
+
+def _sm_count() -> int:
+    from ._device import device_id, device_properties
+
+    return int(device_properties(device_id())["multiProcessorCount"])

@@ -32,11 +32,11 @@ def _torch_sdpa(backend_name):
     return run
 
 
-def probe(headdims, seqlens, reps):
+def probe(headdims, seqlens, reps, impls=None, backward=True):
     rng = np.random.default_rng(0)
     rows = []
-    fwd_impls = cuflash.available_impls("forward")
-    bwd_impls = cuflash.available_impls("backward")
+    fwd_impls = [i for i in cuflash.available_impls("forward") if impls is None or i in impls]
+    bwd_impls = [i for i in cuflash.available_impls("backward") if backward and (impls is None or i in impls)]
     peers = {name: _torch_sdpa(backend) for name, backend in
              (("torch-flash", "FLASH_ATTENTION"), ("torch-cudnn", "CUDNN_ATTENTION"))}
     peers = {k: v for k, v in peers.items() if v is not None}
@@ -65,10 +65,11 @@ def probe(headdims, seqlens, reps):
                         try:
                             ms = time_fn(lambda: sdpa(tq, tk, tv, causal), 3, reps)
                             row[f"{name} fwd"] = flops / ms / 1e9
-                            o = sdpa(tq, tk, tv, causal)
-                            ms = time_fn(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True),
-                                         3, reps)
-                            row[f"{name} bwd"] = 2.5 * flops / ms / 1e9
+                            if backward:
+                                o = sdpa(tq, tk, tv, causal)
+                                ms = time_fn(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True),
+                                             3, reps)
+                                row[f"{name} bwd"] = 2.5 * flops / ms / 1e9
                         except RuntimeError as exc:  # a backend that refuses this shape
                             row[f"{name} fwd"] = None
                             print(f"{name} d={d} N={n}: {str(exc).splitlines()[0][:120]}")
@@ -85,9 +86,12 @@ def main():
     parser.add_argument("--headdims", type=ints, default=[64, 128, 256])
     parser.add_argument("--seqlens", type=ints, default=[2048, 8192])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--impls", default=None, help="cuflash families to time, e.g. fa3 (default: all)")
+    parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = probe(args.headdims, args.seqlens, args.reps)
+    impls = args.impls.split(",") if args.impls else None
+    rows = probe(args.headdims, args.seqlens, args.reps, impls, backward=not args.forward_only)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

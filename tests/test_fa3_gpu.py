@@ -46,6 +46,23 @@ def test_window(poison_allocations, d, window):
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_blocks_walk_many_tiles(poison_allocations, d, causal):
+    """384 tiles on 132 SMs: each persistent block runs ~3 tiles, so the K/V ring's phases, the Q
+    buffer's reload and the pingpong turns carry across tiles."""
+    q, k, v = _inputs(np.random.default_rng(), 3, 1023, 1023, 16, 4, d, "bfloat16")
+    _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+def test_persistent_blocks_skip_empty_tiles(poison_allocations, d):
+    """A window (0, 0) with Sq = 2000 > Sk = 300: query rows before 1700 see no key, so most tiles are
+    empty (O = 0, LSE = -inf) and some blocks get only empty tiles; the rest must still be right."""
+    q, k, v = _inputs(np.random.default_rng(), 2, 2000, 300, 16, 8, d, "bfloat16")
+    _check(q, k, v, window=(0, 0))
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
 def test_fp16(poison_allocations, d):
     q, k, v = _inputs(np.random.default_rng(), 2, 200, 333, 4, 2, d, "float16")
     _check(q, k, v, causal=True)

@@ -1,6 +1,7 @@
 // FA3-style attention forward for Hopper (sm_90a): TMA, an mbarrier ring, warp specialisation, wgmma.
 //
-// A thread block owns BLOCK_M = 128 query rows of one (batch, head) and runs three warpgroups:
+// A persistent grid (about one thread block per SM, common/tile_scheduler.cuh) walks the tiles of
+// BLOCK_M = 128 query rows of one (batch, head); each thread block runs three warpgroups:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec); one thread TMA-loads the Q tile once
 //             and streams the K and V tiles the rows can see through a STAGES-deep shared-memory ring,
 //             each tile completing a "full" mbarrier, each K or V slot waiting on its own "empty"
@@ -12,13 +13,14 @@
 //     - between the two warpgroups ("pingpong"), a pair of named barriers makes them take turns issuing
 //       their GEMMs, so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 // Tiles in shared memory are 64-column atoms with the 128-byte swizzle that TMA writes and wgmma reads
-// (common/hopper.cuh). Not yet: a persistent tile scheduler and a TMA-store epilogue (bench/NOTES.md).
+// (common/hopper.cuh). Not yet: a TMA-store epilogue (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128, 256), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "common/tile_scheduler.cuh"
 #include "fa3/params.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -36,7 +38,7 @@ struct Smem {
     alignas(1024) unsigned char q[Q_BYTES];             // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char k[STAGES][KV_BYTES];    // ATOMS atoms of [BN][64]
     alignas(1024) unsigned char v[STAGES][KV_BYTES];
-    u64 q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 
 // Pingpong: consumer c waits on named barrier PINGPONG_BAR + c before issuing its GEMMs and, once they
@@ -164,20 +166,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
 
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest causal blocks first
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / (p.heads / p.kv_heads);
     const int warpgroup = threadIdx.x / 128;
+    const int group = p.heads / p.kv_heads;
     const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    int n_lo, n_hi;
-    mask.kv_block_range<BM, BN>(m_block, n_lo, n_hi);
+    const int m_blocks = (p.seqlen_q + BM - 1) / BM;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
+        // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
+        mbar_init(&sm.q_empty, CONSUMER_WARPS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
-            // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
             mbar_init(&sm.k_empty[s], CONSUMER_WARPS);
             mbar_init(&sm.v_empty[s], CONSUMER_WARPS);
         }
@@ -185,21 +185,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
+    // Both roles walk the same tiles and count the same K/V tiles (`i`, across tiles: the ring's slots
+    // and phases carry on) and the same non-empty tiles (`q_iter`: the Q buffer's phase).
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
         // 128 x 24 + 256 x 240 = 64512 <= 65536 registers: the consumers' increase can be granted.
         regs_decrease<24>();
-        if (threadIdx.x == 0 && n_lo < n_hi) {
+        if (threadIdx.x != 0) return;
+        int i = 0, q_iter = 0;
+        for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
+            const Tile tile = sched.tile();
+            int n_lo, n_hi;
+            mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
+            if (n_lo == n_hi) continue;
+            const int kv_head = tile.head / group;
+            mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
             mbar_arrive_expect_tx(&sm.q_full, Q_BYTES);
-            load_atoms(sm.q, BM, &map_q, &sm.q_full, m_block * BM, head, batch);
-            for (int n = n_lo, i = 0; n < n_hi; ++n, ++i) {
+            load_atoms(sm.q, BM, &map_q, &sm.q_full, tile.m_block * BM, tile.head, tile.batch);
+            for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
                 const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
                 mbar_wait(&sm.k_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.k_full[s], KV_BYTES);
-                load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], n * BN, kv_head, batch);
+                load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], n * BN, kv_head, tile.batch);
                 mbar_wait(&sm.v_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.v_full[s], KV_BYTES);
-                load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], n * BN, kv_head, batch);
+                load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], n * BN, kv_head, tile.batch);
             }
         }
         return;
@@ -209,68 +219,91 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     regs_increase<240>();
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
-    const int row_lo = m_block * BM + c * 64 + 16 * w + g;  // this thread's rows: row_lo and row_lo + 8
-    const unsigned char* q_rows = sm.q + c * 64 * 128;     // this warpgroup's 64 rows of every Q atom
+    const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
 
     float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    OnlineSoftmax softmax;
     float sc[BN / 2];      // S_n, then P_n in fp32 (accumulator layout)
     u32 pv_a[BN / 16][4];  // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
+    int i = 0, q_iter = 0;
+    if (c == 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
-    if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
-        store_output(p, o, softmax, row_lo, q4, head, batch);
-        return;
-    }
-    if (c == 1) pass_the_turn(c);  // consumer 0 issues first
-    mbar_wait(&sm.q_full, 0);
-
-    // Prologue: S_0 and its softmax; nothing to overlap with yet.
-    wait_my_turn(c);
-    mbar_wait(&sm.k_full[0], 0);
-    issue_qk(sc, q_rows, sm.k[0]);
-    pass_the_turn(c);
-    wgmma_wait<0>();
-    wgmma_fence_regs(sc);
-    if (lane == 0) mbar_arrive(&sm.k_empty[0]);
-    softmax.step(sc, mask, m_block * 2 + c, n_lo, row_lo, q4, p.scale_log2);
-    pack_p(sc, pv_a);
-
-    for (int n = n_lo + 1, i = 1; n < n_hi; ++n, ++i) {
-        const int s = i % STAGES, s_prev = (i - 1) % STAGES;
-        wait_my_turn(c);
-        mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
-        mbar_wait(&sm.v_full[s_prev], ((i - 1) / STAGES) & 1);
-        issue_qk(sc, q_rows, sm.k[s]);
-        issue_pv(o, pv_a, sm.v[s_prev]);
-        pass_the_turn(c);
-
-        wgmma_wait<1>();  // S_n is done; P_{n-1} V_{n-1} may still run
-        wgmma_fence_regs(sc);
-        if (lane == 0) mbar_arrive(&sm.k_empty[s]);
-        const bool rescale = softmax.step(sc, mask, m_block * 2 + c, n, row_lo, q4, p.scale_log2);
-        // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas hoists
-        // it above the exponentials, which serialises the loop (tests/test_compile.py checks the SASS).
-        if (rescale) {
-            wgmma_wait<0>();
-            wgmma_fence_regs(o);
-            softmax.rescale(o);
-        } else {
-            wgmma_wait<0>();
-            wgmma_fence_regs(o);
+    for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
+        const Tile tile = sched.tile();
+        const int m64 = tile.m_block * 2 + c;              // this warpgroup's 64-row block
+        const int row_lo = m64 * 64 + 16 * w + g;           // this thread's rows: row_lo and row_lo + 8
+        int n_lo, n_hi;
+        mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
+#pragma unroll
+        for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
+        OnlineSoftmax softmax;
+        if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
+            store_output(p, o, softmax, row_lo, q4, tile.head, tile.batch);
+            continue;
         }
-        pack_p(sc, pv_a);
-        if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
-    }
+        mbar_wait(&sm.q_full, q_iter++ & 1);
 
-    // Epilogue: the last P V.
-    const int last = (n_hi - n_lo - 1) % STAGES;
-    wait_my_turn(c);
-    mbar_wait(&sm.v_full[last], ((n_hi - n_lo - 1) / STAGES) & 1);
-    issue_pv(o, pv_a, sm.v[last]);
-    if (c == 0) pass_the_turn(c);  // consumer 1 issues last: nobody waits for its turn to end
-    wgmma_wait<0>();
-    wgmma_fence_regs(o);
-    store_output(p, o, softmax, row_lo, q4, head, batch);
+        // Prologue: S_0 and its softmax; nothing to overlap with yet.
+        {
+            const int s = i % STAGES;
+            wait_my_turn(c);
+            mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
+            issue_qk(sc, q_rows, sm.k[s]);
+            pass_the_turn(c);
+            wgmma_wait<0>();
+            wgmma_fence_regs(sc);
+            if (lane == 0) {
+                mbar_arrive(&sm.k_empty[s]);
+                if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
+            }
+            softmax.step(sc, mask, m64, n_lo, row_lo, q4, p.scale_log2);
+            pack_p(sc, pv_a);
+        }
+
+        for (int n = n_lo + 1; n < n_hi; ++n) {
+            const int s_prev = i % STAGES, s = (i + 1) % STAGES;
+            wait_my_turn(c);
+            mbar_wait(&sm.k_full[s], ((i + 1) / STAGES) & 1);
+            mbar_wait(&sm.v_full[s_prev], (i / STAGES) & 1);
+            issue_qk(sc, q_rows, sm.k[s]);
+            issue_pv(o, pv_a, sm.v[s_prev]);
+            pass_the_turn(c);
+
+            wgmma_wait<1>();  // S_n is done; P_{n-1} V_{n-1} may still run
+            wgmma_fence_regs(sc);
+            if (lane == 0) {
+                mbar_arrive(&sm.k_empty[s]);
+                if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
+            }
+            const bool rescale = softmax.step(sc, mask, m64, n, row_lo, q4, p.scale_log2);
+            // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
+            // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
+            // the SASS).
+            if (rescale) {
+                wgmma_wait<0>();
+                wgmma_fence_regs(o);
+                softmax.rescale(o);
+            } else {
+                wgmma_wait<0>();
+                wgmma_fence_regs(o);
+            }
+            if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
+            pack_p(sc, pv_a);
+            ++i;
+        }
+
+        // The last P V, then the output.
+        {
+            const int s = i % STAGES;
+            wait_my_turn(c);
+            mbar_wait(&sm.v_full[s], (i / STAGES) & 1);
+            issue_pv(o, pv_a, sm.v[s]);
+            pass_the_turn(c);
+            wgmma_wait<0>();
+            wgmma_fence_regs(o);
+            if (lane == 0) mbar_arrive(&sm.v_empty[s]);
+            ++i;
+        }
+        store_output(p, o, softmax, row_lo, q4, tile.head, tile.batch);
+    }
+    if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
 }
