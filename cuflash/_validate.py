@@ -257,3 +257,231 @@ def check_launch_limits(dims: Dims) -> None:
     for name, value in (("seqlen_q", dims.seqlen_q), ("seqlen_k", dims.seqlen_k)):
         if value > _MAX_SEQLEN:
             raise ValueError(f"{name} must be below 2**30; got {value}")
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache (flash_attn_with_kvcache, flash_attn_combine)
+
+_MAX_GRID_X = 2 ** 31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class KvDims:
+    """Sizes of a ``flash_attn_with_kvcache`` call. ``capacity``: the keys one entry's cache can hold
+    (the cache's seqlen, or max_pages * page_size when paged); ``cache_batch``: k_cache.shape[0] (the
+    number of pages when paged)."""
+
+    batch: int
+    seqlen_q: int
+    heads: int
+    kv_heads: int
+    headdim: int
+    dtype: str
+    seqlen_new: int
+    paged: bool
+    page_size: int
+    cache_batch: int
+    capacity: int
+
+
+def _check_int_vector(spec: Spec, name_shape: str, length: int) -> None:
+    if spec.dtype != "int32":
+        raise TypeError(f"{spec.name} must be int32; got {spec.dtype}")
+    if spec.shape != (length,):
+        raise ValueError(f"{spec.name} must have shape {name_shape} = ({length},); got {_shape_str(spec)}")
+    if length > 1 and spec.strides != (1,):
+        raise ValueError(f"{spec.name} must be contiguous; got stride {spec.strides[0]}")
+
+
+def check_kvcache(q: Spec, k_cache: Spec, v_cache: Spec, k: Spec | None, v: Spec | None, cache_seqlens,
+                  page_table: Spec | None, cache_batch_idx: Spec | None, rotary_cos: Spec | None,
+                  rotary_sin: Spec | None) -> KvDims:
+    """Shapes, dtypes, strides and devices of a KV-cache call (no device data is read).
+    ``cache_seqlens``: a Spec or a Python int."""
+    check_layout(q)
+    b, sq, h, d = q.shape
+    if b < 1 or h < 1:
+        raise ValueError(f"q must have at least one batch entry and one head; got shape {_shape_str(q)}")
+    if sq < 1:
+        raise ValueError(f"seqlen_q must be at least 1; got q of shape {_shape_str(q)}")
+    for s in (k_cache, v_cache):
+        check_layout(s)
+        if s.dtype != q.dtype:
+            raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape; got k_cache {_shape_str(k_cache)} and "
+                         f"v_cache {_shape_str(v_cache)}")
+    cache_batch, cache_len, hk, dk = k_cache.shape
+    paged = page_table is not None
+    what = "(num_pages, page_size, kv_heads, headdim)" if paged else "(batch, max_seqlen, kv_heads, headdim)"
+    if dk != d:
+        raise ValueError(f"k_cache and v_cache must have q's head dim {d}; got {dk} (k_cache {what} = "
+                         f"{_shape_str(k_cache)})")
+    if hk < 1 or h % hk:
+        raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of KV heads in "
+                         f"k_cache/v_cache ({hk})")
+    if cache_batch < 1 or cache_len < 1:
+        raise ValueError(f"k_cache must hold at least one {'page of one row' if paged else 'row per entry'}; "
+                         f"got k_cache {what} = {_shape_str(k_cache)}")
+    check_same_device([q, k_cache, v_cache])
+
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must both be given or both be None; got "
+                         f"k={'None' if k is None else 'an array'}, v={'None' if v is None else 'an array'}")
+    seqlen_new = 0
+    if k is not None:
+        for s in (k, v):
+            check_layout(s)
+            if s.dtype != q.dtype:
+                raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
+        if k.shape[0] != b or k.shape[2] != hk or k.shape[3] != d:
+            raise ValueError(f"k and v must have shape (batch, seqlen_new, kv_heads, headdim) = ({b}, seqlen_new, "
+                             f"{hk}, {d}); got {_shape_str(k)}")
+        seqlen_new = k.shape[1]
+        check_same_device([q, k, v])
+
+    if paged:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be used with a paged cache (page_table already says where "
+                             "each entry's keys are)")
+        if page_table.dtype != "int32":
+            raise TypeError(f"page_table must be int32; got {page_table.dtype}")
+        if len(page_table.shape) != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
+            raise ValueError(f"page_table must have shape (batch, max_pages) = ({b}, max_pages >= 1); got "
+                             f"{_shape_str(page_table)}")
+        if page_table.shape[1] > 1 and page_table.strides[1] != 1:
+            raise ValueError(f"page_table's rows must be contiguous (stride 1); got strides {page_table.strides}")
+        check_same_device([q, page_table])
+        capacity = page_table.shape[1] * cache_len
+    else:
+        if cache_batch_idx is not None:
+            _check_int_vector(cache_batch_idx, "(batch,)", b)
+            check_same_device([q, cache_batch_idx])
+        elif cache_batch != b:
+            raise ValueError(f"k_cache must have q's batch size {b} (or pass cache_batch_idx); got k_cache "
+                             f"{what} = {_shape_str(k_cache)}")
+        capacity = cache_len
+    if capacity > _MAX_SEQLEN:
+        raise ValueError(f"the cache must hold fewer than 2**30 keys per entry; got {capacity}")
+    if seqlen_new > capacity:
+        raise ValueError(f"k has seqlen_new = {seqlen_new} new tokens but the cache holds at most {capacity} keys "
+                         "per entry")
+
+    if isinstance(cache_seqlens, Spec):
+        _check_int_vector(cache_seqlens, "(batch,)", b)
+        check_same_device([q, cache_seqlens])
+    else:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+            raise TypeError(f"cache_seqlens must be an int32 array of shape (batch,) or an int; got "
+                            f"{type(cache_seqlens).__name__}")
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise ValueError(f"cache_seqlens = {cache_seqlens} is out of range: with {seqlen_new} new tokens the "
+                             f"cache of {capacity} keys per entry takes 0 <= cache_seqlens <= {capacity - seqlen_new}")
+
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must both be given or both be None")
+    if rotary_cos is not None:
+        for s in (rotary_cos, rotary_sin):
+            if s.dtype != q.dtype:
+                raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
+            if len(s.shape) != 2 or s.shape[0] < 1:
+                raise ValueError(f"{s.name} must have shape (seqlen_ro, rotary_dim / 2); got {_shape_str(s)}")
+            if s.shape[1] > 1 and s.strides[1] != 1:
+                raise ValueError(f"{s.name}'s rows must be contiguous (stride 1); got strides {s.strides}")
+            check_same_device([q, s])
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin must have the same shape; got {_shape_str(rotary_cos)} and "
+                             f"{_shape_str(rotary_sin)}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim > d or rotary_dim % 16:
+            raise ValueError(f"rotary_cos must have shape (seqlen_ro, rotary_dim / 2) with rotary_dim a multiple "
+                             f"of 16 and at most the head dim {d}; got rotary_dim = {rotary_dim}")
+
+    dims = KvDims(b, sq, h, hk, d, q.dtype, seqlen_new, paged, cache_len if paged else capacity, cache_batch, capacity)
+    if b > _MAX_GRID_YZ:
+        raise ValueError(f"batch must be at most {_MAX_GRID_YZ} (a CUDA grid dimension); got {b}")
+    if hk > _MAX_GRID_YZ:
+        raise ValueError(f"kv_heads must be at most {_MAX_GRID_YZ} (a CUDA grid dimension); got {hk}")
+    if sq > _MAX_SEQLEN:
+        raise ValueError(f"seqlen_q must be below 2**30; got {sq}")
+    return dims
+
+
+def num_splits_value(num_splits, max_splits: int) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int (0 = choose automatically); got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= max_splits:
+        raise ValueError(f"num_splits must be in [0, {max_splits}] (0 = choose automatically); got {num_splits}")
+    return int(num_splits)
+
+
+def check_grid_x(blocks: int, what: str) -> None:
+    if blocks > _MAX_GRID_X:
+        raise ValueError(f"{what} needs {blocks} thread blocks in one grid dimension (at most 2**31 - 1)")
+
+
+def check_kvcache_values(dims: KvDims, cache_seqlens, page_table, cache_batch_idx, seqlen_ro: int | None,
+                         rotary_q_step: int) -> None:
+    """Checks that need device data (host copies as NumPy arrays): cache_seqlens leaves room for the new
+    tokens, every page an entry uses is a real page, cache_batch_idx names real cache entries, and the
+    rotary tables cover every position rotated. ``rotary_q_step``: 1 when q's tokens sit at consecutive
+    positions (causal / window), else 0."""
+    import numpy as np
+
+    seqlens = np.asarray(cache_seqlens, dtype=np.int64).reshape(-1)
+    room = dims.capacity - dims.seqlen_new
+    bad = np.flatnonzero((seqlens < 0) | (seqlens > room))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"cache_seqlens[{i}] = {int(seqlens[i])} is out of range: with {dims.seqlen_new} new tokens "
+                         f"the cache of {dims.capacity} keys per entry takes 0 <= cache_seqlens <= {room}")
+    if cache_batch_idx is not None:
+        idx = np.asarray(cache_batch_idx, dtype=np.int64)
+        bad = np.flatnonzero((idx < 0) | (idx >= dims.cache_batch))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"cache_batch_idx[{i}] = {int(idx[i])} is out of range [0, {dims.cache_batch}) "
+                             "(k_cache's batch size)")
+    if page_table is not None:
+        table = np.asarray(page_table, dtype=np.int64)
+        used = -(-(seqlens + dims.seqlen_new) // dims.page_size)  # pages each entry reads or writes
+        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        bad = np.argwhere(in_use & ((table < 0) | (table >= dims.cache_batch)))
+        if bad.size:
+            bi, pi = (int(x) for x in bad[0])
+            raise ValueError(f"page_table[{bi}, {pi}] = {int(table[bi, pi])} is out of range [0, {dims.cache_batch}) "
+                             f"(k_cache has {dims.cache_batch} pages); entry {bi} uses its first {int(used[bi])} pages")
+    if seqlen_ro is not None and seqlens.size:
+        last = int(seqlens.max()) + max(dims.seqlen_new, rotary_q_step * dims.seqlen_q, 1) - 1
+        if last >= seqlen_ro:
+            raise ValueError(f"rotary_cos has {seqlen_ro} positions but position {last} is rotated "
+                             f"(cache_seqlens up to {int(seqlens.max())}, {dims.seqlen_new} new tokens, "
+                             f"seqlen_q {dims.seqlen_q})")
+
+
+def check_combine(out_partial: Spec, lse_partial: Spec) -> tuple[int, int, int, int, int]:
+    """(splits, batch, seqlen, heads, headdim) of flash_attn_combine's inputs."""
+    if out_partial.dtype != "float32":
+        raise TypeError(f"out_partial must be float32; got {out_partial.dtype}")
+    if len(out_partial.shape) != 5:
+        raise ValueError(f"out_partial must have 5 dimensions (num_splits, batch, seqlen, heads, headdim); got "
+                         f"shape {_shape_str(out_partial)}")
+    if lse_partial.dtype != "float32":
+        raise TypeError(f"lse_partial must be float32; got {lse_partial.dtype}")
+    ns, b, s, h, d = out_partial.shape
+    want = (ns, b, h, s)
+    if lse_partial.shape != want:
+        raise ValueError(f"lse_partial must have shape (num_splits, batch, heads, seqlen) = {want}; got "
+                         f"{_shape_str(lse_partial)}")
+    if min(out_partial.shape) < 1:
+        raise ValueError(f"out_partial must have no empty dimension; got shape {_shape_str(out_partial)}")
+    if d > 1 and out_partial.strides[-1] != 1:
+        raise ValueError(f"out_partial's last dimension (headdim) must be contiguous (stride 1); got strides "
+                         f"{out_partial.strides}")
+    check_same_device([out_partial, lse_partial])
+    rows = b * s * h
+    if rows >= 2 ** 31 or ns >= 2 ** 31:
+        raise ValueError(f"out_partial has too many rows for one launch ({rows} = batch * seqlen * heads)")
+    return ns, b, s, h, d

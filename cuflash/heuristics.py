@@ -106,3 +106,43 @@ FA3_TILES = {
 # 2026-11-29, bf16, 16k tokens): forward FA3 412-666 TF/s > FA2 196-278 > FA1 55-147; backward FA2
 # 102-145 > FA1 89-129 at d <= 128 (at d = 256 they are within 10 %: 58-62 vs 65-68).
 IMPL_PREFERENCE = {"forward": ("fa3", "fa2", "fa1"), "backward": ("fa2", "fa1")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode (flash_attn_with_kvcache): tiles and the number of KV splits (Flash-Decoding)
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    block_n: int  # keys per K/V tile; each of the 4 warps takes 16 of them (its own online softmax)
+    stages: int  # K/V tiles in flight in the cp.async ring (the bytes in flight that decode lives on)
+
+
+# head dim -> decode tiles. A thread block holds 16 query rows (the GQA group's heads x the queries) and
+# streams K/V; the kernel is memory-bound, so what matters is bytes in flight per SM (~40 KB keeps the
+# H200's HBM busy at ~1 us latency) and enough blocks. A stage is 2 x 64 x d x 2 bytes: 16 KB at d = 64
+# (4 stages, 66 KB: three blocks per SM on Hopper), 32 KB at d = 128 (3 stages, 100 KB: two blocks per
+# SM), 64 KB at d = 256 (2 stages, 136 KB). All fit sm_80's 163 KB.
+DECODE_TILES = {
+    64: DecodeTiles(block_n=64, stages=4),
+    128: DecodeTiles(block_n=64, stages=3),
+    256: DecodeTiles(block_n=64, stages=2),
+}
+DECODE_BLOCK_M = 16  # query rows per thread block (one m16 MMA tile)
+DECODE_MAX_SPLITS = 128  # the combine reads every split's partial O: past this the merge costs more than it buys
+DECODE_MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 tiles (256 keys): its partial write stays small next to its reads
+
+
+def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, block_n: int, num_sms: int) -> int:
+    """KV splits for a decode call (num_splits=0). Flash-Decoding: when batch x kv_heads x m_blocks thread
+    blocks cannot fill the GPU, split each entry's keys so that about two blocks per SM stream K/V (two
+    blocks' stages in flight per SM, not one); never split below DECODE_MIN_TILES_PER_SPLIT tiles, and
+    not at all when the unsplit grid already covers 80 % of the SMs (a partial wave costs less than the
+    extra pass of the combine). ``max_keys``: the longest entry's key count (or the cache capacity when
+    the lengths are not known on the host)."""
+    blocks = batch * kv_heads * m_blocks
+    if blocks >= 0.8 * num_sms:
+        return 1
+    tiles = -(-max_keys // block_n)
+    want = -(-2 * num_sms // blocks)
+    return max(1, min(want, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))

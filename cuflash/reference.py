@@ -72,6 +72,13 @@ __all__ = [
     "fa1_tiled_forward_model",
     "fa1_tiled_backward_model",
     "dropout_mask",
+    "rotary_ref",
+    "kvcache_update_ref",
+    "gather_kv_ref",
+    "kvcache_attention_ref",
+    "combine_ref",
+    "decode_split_tiles",
+    "decode_split_model",
 ]
 
 
@@ -767,3 +774,246 @@ def fa1_tiled_backward_model(dout, q, k, v, out, lse, *, causal=False, softmax_s
                 dk[bi, c0:c1, kvh] = dk_j
                 dv[bi, c0:c1, kvh] = dv_j
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV-cache (inference) references: rotary embeddings, the cache update, attention over the cache, the
+# split-KV (Flash-Decoding) model and the combine of partial results
+# ----------------------------------------------------------------------------------------------------
+
+def rotary_ref(x, cos, sin, positions, *, interleaved=False):
+    """Rotary position embedding of ``x`` (B, S, H, D) at integer ``positions`` (B, S), in float32.
+
+    ``cos``/``sin`` are (seqlen_ro, rotary_dim / 2); the first rotary_dim channels are rotated, the rest
+    pass through. Pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin) with angle index i, where
+    the pairs are flash-attn's:
+
+    * ``interleaved=False`` (GPT-NeoX, "half split"): x1 = x[i], x2 = x[i + rotary_dim / 2];
+    * ``interleaved=True`` (GPT-J): x1 = x[2 i], x2 = x[2 i + 1].
+
+    Returns float32 values (round them to the storage dtype to get what the kernels store).
+    """
+    xp = _get_xp(x, cos, sin)
+    f32 = numpy.float32
+    x = x.astype(f32)
+    half = cos.shape[1]
+    rd = 2 * half
+    pos = xp.asarray(positions)
+    c = cos.astype(f32)[pos][:, :, None, :]  # (B, S, 1, rd/2)
+    s = sin.astype(f32)[pos][:, :, None, :]
+    out = x.copy()
+    if interleaved:
+        x1, x2 = x[..., 0:rd:2], x[..., 1:rd:2]
+        out[..., 0:rd:2] = x1 * c - x2 * s
+        out[..., 1:rd:2] = x2 * c + x1 * s
+    else:
+        x1, x2 = x[..., :half], x[..., half:rd]
+        out[..., :half] = x1 * c - x2 * s
+        out[..., half:rd] = x2 * c + x1 * s
+    return out
+
+
+def _cache_rows(b, n, *, page_table, cache_batch_idx, page_size):
+    """(first index, second index) arrays addressing logical keys 0..n-1 of batch entry b in the cache:
+    contiguous caches (cache_batch, key), paged caches (page_table[b, j // page_size], j % page_size)."""
+    j = numpy.arange(n)
+    if page_table is not None:
+        return numpy.asarray(page_table)[b, j // page_size].astype(numpy.int64), j % page_size
+    cb = b if cache_batch_idx is None else int(numpy.asarray(cache_batch_idx)[b])
+    return numpy.full(n, cb, dtype=numpy.int64), j
+
+
+def kvcache_update_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_table=None, cache_batch_idx=None,
+                       rotary_cos=None, rotary_sin=None, rotary_interleaved=False, causal=False,
+                       window_size=(-1, -1)):
+    """What ``flash_attn_with_kvcache`` does before the attention, on copies (inputs are not modified).
+
+    Returns (q_used, k_cache_new, v_cache_new, seqlens_k): q after rotary (rounded to q's dtype, or q
+    itself), the caches with k/v (rotary applied to k) written at positions cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1, and the per-entry key counts cache_seqlens + seqlen_new (NumPy
+    int64). Rotary positions: k's token j sits at cache_seqlens[b] + j; q's token i at
+    cache_seqlens[b] + i when causal or windowed, else every q token at cache_seqlens[b] (flash-attn's rule).
+    """
+    xp = _get_xp(q, k_cache, v_cache)
+    batch, sq = q.shape[:2]
+    seqlens = numpy.broadcast_to(numpy.asarray(_to_numpy(cache_seqlens), dtype=numpy.int64), (batch,)).copy()
+    pt = None if page_table is None else _to_numpy(page_table)
+    cbi = None if cache_batch_idx is None else _to_numpy(cache_batch_idx)
+    page_size = k_cache.shape[1]
+    rotary = rotary_cos is not None
+    q_used = q
+    if rotary:
+        step = 1 if (causal or tuple(window_size) != (-1, -1)) else 0
+        pos = seqlens[:, None] + step * numpy.arange(sq)[None, :]
+        q_used = rotary_ref(q, rotary_cos, rotary_sin, xp.asarray(pos), interleaved=rotary_interleaved)
+        q_used = _round_to(q_used, q.dtype).astype(q.dtype)
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    seqlen_new = 0 if k is None else k.shape[1]
+    if k is not None:
+        k_new = k
+        if rotary:
+            pos = seqlens[:, None] + numpy.arange(seqlen_new)[None, :]
+            k_new = rotary_ref(k, rotary_cos, rotary_sin, xp.asarray(pos), interleaved=rotary_interleaved)
+            k_new = _round_to(k_new, k.dtype).astype(k.dtype)
+        for b in range(batch):
+            first, second = _cache_rows(b, int(seqlens[b]) + seqlen_new, page_table=pt, cache_batch_idx=cbi,
+                                        page_size=page_size)
+            first, second = first[int(seqlens[b]):], second[int(seqlens[b]):]
+            k_cache[xp.asarray(first), xp.asarray(second)] = k_new[b]
+            v_cache[xp.asarray(first), xp.asarray(second)] = v[b]
+    return q_used, k_cache, v_cache, seqlens + seqlen_new
+
+
+def gather_kv_ref(k_cache, v_cache, b, n, *, page_table=None, cache_batch_idx=None):
+    """Logical keys and values 0..n-1 of batch entry b as (1, n, kv_heads, d) arrays."""
+    xp = _get_xp(k_cache, v_cache)
+    first, second = _cache_rows(b, n, page_table=None if page_table is None else _to_numpy(page_table),
+                                cache_batch_idx=None if cache_batch_idx is None else _to_numpy(cache_batch_idx),
+                                page_size=k_cache.shape[1])
+    first, second = xp.asarray(first), xp.asarray(second)
+    return k_cache[first, second][None], v_cache[first, second][None]
+
+
+def kvcache_attention_ref(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_table=None,
+                          cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                          softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                          compute_dtype="float32", lowp=False):
+    """``flash_attn_with_kvcache``'s result, exactly (``compute_dtype``) or naively in q's precision
+    (``lowp=True``, see ``attention_ref_lowp``). Entry b attends over its cache_seqlens[b] + seqlen_new
+    keys with the masks aligned bottom-right (query i sees key j iff j <= i + keys_b - seqlen_q when
+    causal); an entry with no keys gives out 0 and lse -inf.
+
+    Returns (out (B, Sq, H, D), lse (B, H, Sq), k_cache_new, v_cache_new).
+    """
+    xp = _get_xp(q, k_cache, v_cache)
+    q_used, kc, vc, seqlens_k = kvcache_update_ref(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
+        cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, window_size=window_size)
+    batch, sq, h, d = q.shape
+    out_dtype = numpy.float32 if lowp else _as_dtype(compute_dtype)
+    out = xp.zeros((batch, sq, h, d), dtype=out_dtype)
+    lse = xp.full((batch, h, sq), -numpy.inf, dtype=out_dtype)
+    fn = attention_ref_lowp if lowp else attention_ref
+    options = dict(causal=causal, softmax_scale=_scale(softmax_scale, d), window_size=window_size, softcap=softcap)
+    if not lowp:
+        options["compute_dtype"] = compute_dtype
+    for b in range(batch):
+        n = int(seqlens_k[b])
+        if n == 0:
+            continue
+        kb, vb = gather_kv_ref(kc, vc, b, n, page_table=page_table, cache_batch_idx=cache_batch_idx)
+        ob, lb = fn(q_used[b:b + 1], kb, vb, **options)
+        out[b] = ob[0]
+        lse[b] = lb[0]
+    return out, lse, kc, vc
+
+
+def combine_ref(out_partial, lse_partial):
+    """Merge partial attention results by their log-sum-exp (what ``flash_attn_combine`` computes).
+
+    ``out_partial`` (splits, B, Sq, H, D), each normalised over its own keys; ``lse_partial``
+    (splits, B, H, Sq). out = sum_s exp(lse_s - lse) out_s with lse = log sum_s exp(lse_s). Splits with
+    lse -inf (no keys) get weight 0 and their out_s is never read (it may be anything, NaN included);
+    a row whose splits are all -inf gives out 0 and lse -inf. Float64 NumPy.
+    """
+    o = _to_numpy(out_partial).astype(numpy.float64)
+    lse = _to_numpy(lse_partial).astype(numpy.float64)
+    m = lse.max(axis=0)
+    m_safe = numpy.where(numpy.isfinite(m), m, 0.0)
+    with numpy.errstate(invalid="ignore"):
+        w = numpy.where(lse == -numpy.inf, 0.0, numpy.exp(lse - m_safe))  # (splits, B, H, Sq)
+    total = w.sum(axis=0)
+    with numpy.errstate(divide="ignore"):
+        lse_out = numpy.where(total > 0, m_safe + numpy.log(numpy.where(total > 0, total, 1.0)), -numpy.inf)
+    w = w / numpy.where(total > 0, total, 1.0)
+    w = w.transpose(0, 1, 3, 2)[..., None]  # (splits, B, Sq, H, 1)
+    out = numpy.where(w > 0, w * numpy.where(numpy.isfinite(o), o, 0.0), 0.0).sum(axis=0)
+    return out, lse_out
+
+
+def decode_split_tiles(split, num_splits, key_first, key_last, block_n):
+    """Key tiles [lo, hi) (units of block_n keys) that split ``split`` of ``num_splits`` streams when a
+    thread block's rows see keys key_first..key_last (inclusive; key_last < key_first: none).
+
+    The block's tiles are dealt out in contiguous runs of ceil(tiles / num_splits); trailing splits may
+    get nothing (lo == hi), and then write out 0 / lse -inf. kernels_cu/decode/fwd.cu does the same.
+    """
+    if key_last < key_first:
+        return 0, 0
+    t_lo, t_hi = key_first // block_n, key_last // block_n + 1
+    per = -(-(t_hi - t_lo) // num_splits)
+    lo = t_lo + split * per
+    hi = min(lo + per, t_hi)
+    return (lo, hi) if lo < hi else (0, 0)
+
+
+def decode_split_model(q, k_cache, v_cache, *, seqlens_k, page_table=None, cache_batch_idx=None, softmax_scale=None,
+                       causal=False, window_size=(-1, -1), softcap=0.0, num_splits=1, block_m=16, block_n=64):
+    """NumPy float64 model of the split-KV decode kernel: the work split, the tile loop and the partial
+    results, before the combine.
+
+    ``q`` is the (already rotated) query, the caches already hold the new keys, ``seqlens_k`` (B,) the
+    key count of each entry. Like the kernel: one thread block per (m-block, split, KV head, batch) whose
+    16 rows are the group's query heads packed with the queries (row r = query r // g, head r % g of the
+    group, g = heads // kv_heads); the keys its real rows can see, rounded out to tiles of block_n, are
+    dealt to the splits by ``decode_split_tiles``; each split runs an online softmax over its tiles with
+    the per-element mask (key < seqlen, causal / window bottom-right) and writes its normalised out and
+    lse (0 and -inf when it has no tile or sees nothing).
+
+    Returns (out_partial (splits, B, Sq, H, D), lse_partial (splits, B, H, Sq)); ``combine_ref`` of
+    them must equal ``kvcache_attention_ref``.
+    """
+    q = _to_numpy(q).astype(numpy.float64)
+    kc = _to_numpy(k_cache).astype(numpy.float64)
+    vc = _to_numpy(v_cache).astype(numpy.float64)
+    batch, sq, h, d = q.shape
+    hkv = kc.shape[2]
+    g = h // hkv
+    scale = _scale(softmax_scale, d)
+    left, right = _effective_window(causal, window_size)
+    rows = g * sq
+    m_blocks = -(-rows // block_m)
+    o_part = numpy.zeros((num_splits, batch, sq, h, d))
+    lse_part = numpy.full((num_splits, batch, h, sq), -numpy.inf)
+    for b in range(batch):
+        n = int(seqlens_k[b])
+        kb, vb = gather_kv_ref(kc, vc, b, n, page_table=page_table, cache_batch_idx=cache_batch_idx)
+        kb, vb = kb[0], vb[0]
+        diag = n - sq
+        for kvh in range(hkv):
+            for mb in range(m_blocks):
+                r = numpy.arange(mb * block_m, min((mb + 1) * block_m, rows))
+                qi, head = r // g, kvh * g + r % g
+                # keys each real row sees, inclusive [lo, hi] (the kernel's per-element mask)
+                lo = numpy.maximum(0, qi + diag - left) if left >= 0 else numpy.zeros_like(qi)
+                hi = numpy.minimum(n - 1, qi + diag + right) if right >= 0 else numpy.full_like(qi, n - 1)
+                key_first = max(0, qi[0] + diag - left) if left >= 0 else 0
+                key_last = min(n - 1, qi[-1] + diag + right) if right >= 0 else n - 1
+                qrows = q[b, qi, head]  # (rows, d)
+                for split in range(num_splits):
+                    t_lo, t_hi = decode_split_tiles(split, num_splits, key_first, key_last, block_n)
+                    m = numpy.full(len(r), -numpy.inf)
+                    l = numpy.zeros(len(r))
+                    acc = numpy.zeros((len(r), d))
+                    for t in range(t_lo, t_hi):
+                        j = numpy.arange(t * block_n, min((t + 1) * block_n, n))
+                        s = scale * (qrows @ kb[j, kvh].T)
+                        if softcap > 0:
+                            s = softcap * numpy.tanh(s / softcap)
+                        vis = (j[None, :] >= lo[:, None]) & (j[None, :] <= hi[:, None])
+                        s = numpy.where(vis, s, -numpy.inf)
+                        m_new = numpy.maximum(m, s.max(axis=1))
+                        m_safe = numpy.where(numpy.isfinite(m_new), m_new, 0.0)
+                        alpha = numpy.exp(m - m_safe)
+                        p = numpy.exp(s - m_safe[:, None])
+                        l = alpha * l + p.sum(axis=1)
+                        acc = alpha[:, None] * acc + p @ vb[j, kvh]
+                        m = m_new
+                    seen = l > 0
+                    o_part[split, b, qi, head] = numpy.where(seen[:, None], acc / numpy.where(seen, l, 1.0)[:, None],
+                                                             0.0)
+                    with numpy.errstate(divide="ignore"):
+                        lse_part[split, b, head, qi] = numpy.where(seen, m + numpy.log(numpy.where(seen, l, 1.0)),
+                                                                   -numpy.inf)
+    return o_part, lse_part

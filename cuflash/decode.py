@@ -1,0 +1,185 @@
+"""Decode family (flash_attn_with_kvcache): variant keys, parameter structs and launches of kernels_cu/decode/.
+
+sm_80 and newer. Three kernels, launched in this order on the caller's stream:
+  * ``kv_append`` / ``q_rotary`` (decode/append.cu): the new k/v written into the cache (rotary applied
+    to k) and q rotated into a scratch copy, when the call has them;
+  * ``decode_fwd`` (decode/fwd.cu): grid (num_splits x m_blocks, kv_heads, batch); one thread block
+    holds 16 query rows (the query heads of one KV head x the queries) and streams its share of the
+    cache's keys through a cp.async ring; writes O and LSE directly (one split) or fp32 partials;
+  * ``attn_combine`` (decode/combine.cu): merges the partials by their LSE (also ``flash_attn_combine``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._jit import Variant, get_function
+from ._params import DTYPE_CODES, pointer_fields, stride_fields
+from ._validate import KvDims
+from .heuristics import DECODE_BLOCK_M, DECODE_TILES
+
+FAMILY = "decode"
+HEADDIMS = tuple(sorted(DECODE_TILES))
+MIN_CC = (8, 0)
+THREADS = 128  # decode_fwd: 4 warps
+AUX_THREADS = 128  # kv_append, q_rotary, attn_combine: one warp per row
+LOG2E = 1.0 / math.log(2.0)
+COMBINE_DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # CUFLASH_OUT_DTYPE of decode/combine.cu
+
+_I32 = np.int32
+# Mirror of DecodeParams in kernels_cu/decode/params.cuh (same order, C alignment).
+FWD_PARAMS = np.dtype(
+    pointer_fields("q", "k", "v", "o", "lse", "o_partial", "lse_partial", "cache_seqlens", "page_table",
+                   "cache_batch_idx")
+    + stride_fields("q", "k", "v", "o") + [("page_table_stride", np.int64)]
+    + [(n, _I32) for n in ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_new", "page_size", "num_splits",
+                           "m_blocks", "window_left", "window_right")]
+    + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
+    align=True,
+)
+
+# Mirror of AppendParams in kernels_cu/decode/params.cuh.
+APPEND_PARAMS = np.dtype(
+    pointer_fields("k_new", "v_new", "k_cache", "v_cache", "q", "q_rot", "rotary_cos", "rotary_sin", "cache_seqlens",
+                   "page_table", "cache_batch_idx")
+    + stride_fields("kn", "vn", "kc", "vc", "q", "qr") + [("page_table_stride", np.int64), ("rotary_stride", np.int64)]
+    + [(n, _I32) for n in ("batch", "seqlen_new", "seqlen_q", "heads", "kv_heads", "headdim", "rotary_dim",
+                           "page_size", "q_position_step", "interleaved")],
+    align=True,
+)
+
+# Mirror of CombineParams in kernels_cu/decode/combine.cu.
+COMBINE_PARAMS = np.dtype(
+    pointer_fields("o_partial", "lse_partial", "o", "lse")
+    + [(f"op_{s}_stride", np.int64) for s in ("split", "batch", "row", "head")]
+    + [(f"lp_{s}_stride", np.int64) for s in ("split", "batch", "head", "row")]
+    + stride_fields("o")
+    + [(n, _I32) for n in ("num_splits", "batch", "seqlen", "heads", "headdim")],
+    align=True,
+)
+
+
+def fwd_smem_bytes(headdim: int) -> int:
+    t = DECODE_TILES[headdim]
+    return DECODE_BLOCK_M * headdim * 2 + 2 * t.stages * t.block_n * headdim * 2
+
+
+def fwd_variant(headdim: int, dtype: str, paged: bool) -> Variant:
+    t = DECODE_TILES[headdim]
+    return Variant(
+        FAMILY, "decode/fwd.cu", "decode_fwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
+         ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+        threads=THREADS, smem_bytes=fwd_smem_bytes(headdim),
+    )
+
+
+def append_variant(kernel: str, dtype: str) -> Variant:
+    """``kv_append`` or ``q_rotary``; head dim, paging and the rotary convention are run-time values."""
+    return Variant(FAMILY, "decode/append.cu", kernel, (("CUFLASH_DTYPE", DTYPE_CODES[dtype]),), threads=AUX_THREADS)
+
+
+def combine_variant(out_dtype: str) -> Variant:
+    return Variant(FAMILY, "decode/combine.cu", "attn_combine", (("CUFLASH_OUT_DTYPE", COMBINE_DTYPE_CODES[out_dtype]),),
+                   threads=AUX_THREADS)
+
+
+def all_variants() -> list[Variant]:
+    out = [fwd_variant(d, dtype, paged) for dtype in DTYPE_CODES for d in HEADDIMS for paged in (False, True)]
+    out += [append_variant(k, dtype) for dtype in DTYPE_CODES for k in ("kv_append", "q_rotary")]
+    out += [combine_variant(t) for t in COMBINE_DTYPE_CODES]
+    return out
+
+
+def m_blocks(dims: KvDims) -> int:
+    return -(-(dims.heads // dims.kv_heads) * dims.seqlen_q // DECODE_BLOCK_M)
+
+
+def _ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
+
+
+def _strides(p, prefix: str, a, axes=("batch", "row", "head")) -> None:
+    item = a.dtype.itemsize
+    for axis, name in enumerate(axes):
+        p[f"{prefix}_{name}_stride"] = a.strides[axis] // item
+
+
+def _row_stride(a) -> int:
+    return 0 if a is None else a.strides[0] // a.dtype.itemsize
+
+
+def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin,
+           dims: KvDims, interleaved: bool, q_position_step: int, stream) -> None:
+    """Write k/v (rotary applied to k) into the caches at cache_seqlens; rotate q into ``q_rot``.
+    Either part is skipped when it has nothing to do (no k/v; no rotary)."""
+    p = np.zeros(1, APPEND_PARAMS)
+    for name, a in (("k_new", k), ("v_new", v), ("k_cache", k_cache), ("v_cache", v_cache), ("q", q), ("q_rot", q_rot),
+                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+                    ("page_table", page_table), ("cache_batch_idx", cache_batch_idx)):
+        p[name] = _ptr(a)
+    for prefix, a in (("kn", k), ("vn", v), ("kc", k_cache), ("vc", v_cache), ("q", q), ("qr", q_rot)):
+        if a is not None:
+            _strides(p, prefix, a)
+    p["page_table_stride"] = _row_stride(page_table)
+    p["rotary_stride"] = _row_stride(rotary_cos)
+    p["batch"], p["seqlen_new"], p["seqlen_q"] = dims.batch, dims.seqlen_new, dims.seqlen_q
+    p["heads"], p["kv_heads"], p["headdim"] = dims.heads, dims.kv_heads, dims.headdim
+    p["rotary_dim"] = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    p["page_size"] = dims.page_size
+    p["q_position_step"], p["interleaved"] = q_position_step, int(interleaved)
+    rows_per_block = AUX_THREADS // 32
+    if k is not None and dims.seqlen_new:
+        rows = dims.batch * dims.seqlen_new * dims.kv_heads
+        fn = get_function(append_variant("kv_append", dims.dtype))
+        fn((-(-rows // rows_per_block),), (AUX_THREADS,), (p,), stream=stream)
+    if q_rot is not None:
+        rows = dims.batch * dims.seqlen_q * dims.heads
+        fn = get_function(append_variant("q_rotary", dims.dtype))
+        fn((-(-rows // rows_per_block),), (AUX_THREADS,), (p,), stream=stream)
+
+
+def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batch_idx, dims: KvDims,
+            window: tuple[int, int], scale: float, softcap: float, num_splits: int, stream, *, o_partial=None,
+            lse_partial=None) -> None:
+    """Attention of q over the cache (which already holds the new tokens). ``num_splits == 1`` writes
+    ``out``/``lse`` directly; otherwise the kernel writes ``o_partial`` (num_splits, batch, seqlen_q,
+    heads, d) and ``lse_partial`` (num_splits, batch, heads, seqlen_q), fp32 scratch, and the combine
+    kernel merges them into out/lse."""
+    variant = fwd_variant(dims.headdim, dims.dtype, dims.paged)
+    p = np.zeros(1, FWD_PARAMS)
+    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse), ("o_partial", o_partial),
+                    ("lse_partial", lse_partial), ("cache_seqlens", cache_seqlens), ("page_table", page_table),
+                    ("cache_batch_idx", cache_batch_idx)):
+        p[name] = _ptr(a)
+    for prefix, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out)):
+        _strides(p, prefix, a)
+    p["page_table_stride"] = _row_stride(page_table)
+    p["batch"], p["heads"], p["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
+    p["seqlen_q"], p["seqlen_new"], p["page_size"] = dims.seqlen_q, dims.seqlen_new, dims.page_size
+    mb = m_blocks(dims)
+    p["num_splits"], p["m_blocks"] = num_splits, mb
+    p["window_left"], p["window_right"] = window
+    if softcap > 0:
+        p["scale_log2"], p["softcap_pre"] = softcap * LOG2E, scale / softcap
+    else:
+        p["scale_log2"], p["softcap_pre"] = scale * LOG2E, 0.0
+    grid = (num_splits * mb, dims.kv_heads, dims.batch)
+    get_function(variant)(grid, (THREADS,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+    if num_splits > 1:
+        combine(o_partial, lse_partial, out, lse, stream)
+
+
+def combine(o_partial, lse_partial, out, lse, stream) -> None:
+    """out (batch, seqlen, heads, d) in its dtype and lse (batch, heads, seqlen) from the partials."""
+    ns, b, s, h, d = o_partial.shape
+    p = np.zeros(1, COMBINE_PARAMS)
+    p["o_partial"], p["lse_partial"], p["o"], p["lse"] = o_partial.data.ptr, lse_partial.data.ptr, out.data.ptr, lse.data.ptr
+    _strides(p, "op", o_partial, ("split", "batch", "row", "head"))
+    _strides(p, "lp", lse_partial, ("split", "batch", "head", "row"))
+    _strides(p, "o", out)
+    p["num_splits"], p["batch"], p["seqlen"], p["heads"], p["headdim"] = ns, b, s, h, d
+    rows = b * s * h
+    variant = combine_variant(str(out.dtype))
+    get_function(variant)((-(-rows // (AUX_THREADS // 32)),), (AUX_THREADS,), (p,), stream=stream)
