@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import Variant, get_function
+from ._jit import Variant, launch
 from ._params import DTYPE_CODES, fill_strides, pointer_fields, stride_fields
 
 FAMILY = "bwd_aux"
@@ -42,7 +42,7 @@ def _launch(kernel, p, dims, stream):
     v = variant(kernel, dims.headdim, dims.dtype)
     rows = dims.batch * dims.heads * dims.seqlen_q
     rows_per_block = THREADS // 32
-    get_function(v)(((rows + rows_per_block - 1) // rows_per_block,), (THREADS,), (p,), stream=stream)
+    launch(v, ((rows + rows_per_block - 1) // rows_per_block,), (p,), stream)
 
 
 def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream) -> None:

@@ -26,8 +26,20 @@ class Spec:
 
     @classmethod
     def of(cls, name: str, a) -> "Spec":
-        item = a.dtype.itemsize
-        return cls(name, tuple(a.shape), tuple(s // item for s in a.strides), str(a.dtype), a.device.id, a.data.ptr)
+        dt = a.dtype
+        item = dt.itemsize
+        return cls(name, a.shape, tuple(s // item for s in a.strides), dtype_name(dt), a.device.id, a.data.ptr)
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dt) -> str:
+    """``str(dt)`` ("bfloat16", "float16", ...), memoised: numpy builds the string in Python each time."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = _DTYPE_NAMES[dt] = str(dt)
+    return name
 
 
 def framework_of(x) -> str:

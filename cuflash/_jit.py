@@ -337,3 +337,19 @@ def get_function(variant: Variant):
         )
     _loaded[(variant, dev)] = fn
     return fn
+
+
+def launch(variant: Variant, grid: tuple[int, ...], args, stream) -> None:
+    """Launch ``variant`` on ``stream`` with ``variant.threads`` threads and ``variant.smem_bytes`` of
+    dynamic shared memory.
+
+    numpy structured arrays (params structs, tensor maps) are passed by pointer: CuPy's own conversion
+    of such an argument builds its full type description, ~10 µs of Python per argument per launch.
+    The driver copies each parameter when the launch is issued, so the arrays only live until then.
+    """
+    import numpy
+    from cupy.cuda.function import CPointer
+
+    fn = get_function(variant)
+    ptrs = [CPointer(a.ctypes.data) if isinstance(a, numpy.ndarray) else a for a in args]
+    fn(grid, (variant.threads,), ptrs, shared_mem=variant.smem_bytes, stream=stream)

@@ -33,8 +33,7 @@ def encode_tiled(ptr: int, dtype: str, shape: tuple[int, ...], strides_bytes: tu
     attention kernel runs; a map is a pure function of its arguments, so repeated calls (a training or
     decode loop, whose allocator hands back the same buffers) take it from a small cache.
     """
-    return _encode_tiled_cached(int(ptr), str(dtype), tuple(int(x) for x in shape),
-                                tuple(int(x) for x in strides_bytes), tuple(int(x) for x in box), int(swizzle))
+    return _encode_tiled_cached(ptr, dtype, tuple(shape), tuple(strides_bytes), tuple(box), swizzle)
 
 
 @functools.lru_cache(maxsize=512)

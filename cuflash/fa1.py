@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _bwd_aux
-from ._jit import Variant, get_function
+from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_strides, pointer_fields, smem_tile_bytes,
                       stride_fields)
 from ._validate import Dims
@@ -85,7 +85,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     p["scale"] = scale
     block_m = FA1_TILES[dims.headdim].block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
-    get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+    launch(variant, grid, (p,), stream)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
@@ -104,6 +104,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     main = bwd_variant(dims.headdim, dims.dtype)
     block_n = 16 * FA1_TILES[dims.headdim].bwd_key_warps
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
-    get_function(main)(grid, (main.threads,), (p,), shared_mem=main.smem_bytes, stream=stream)
+    launch(main, grid, (p,), stream)
 
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)

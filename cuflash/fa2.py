@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from . import _bwd_aux
-from ._jit import Variant, get_function
+from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, pointer_fields,
                       smem_tile_bytes, stride_fields)
 from ._validate import Dims
@@ -154,7 +154,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     _dropout_fields(p, dropout)
     block_m = fwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None).block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
-    get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+    launch(variant, grid, (p,), stream)
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream, *,
@@ -189,7 +189,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     p["scale"] = scale
     _dropout_fields(p, dropout)
     grid = ((dims.seqlen_k + t.block_n - 1) // t.block_n, dims.kv_heads, dims.batch)
-    get_function(variant)(grid, (variant.threads,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+    launch(variant, grid, (p,), stream)
 
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 

@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from . import _tma
-from ._jit import Variant, get_function
+from ._interop import dtype_name
+from ._jit import Variant, launch
 from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, pointer_fields
 from ._validate import Dims
 from .heuristics import FA3_TILES
@@ -56,7 +57,8 @@ def _tensor_map(a, rows_per_box: int):
     """A 4-D map over (d, seqlen, heads, batch), innermost first, loading 64 x rows_per_box boxes."""
     b, s, h, d = a.shape
     strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
-    return _tma.encode_tiled(a.data.ptr, str(a.dtype), (d, s, h, b), strides, (64, rows_per_box, 1, 1), swizzle=128)
+    return _tma.encode_tiled(a.data.ptr, dtype_name(a.dtype), (d, s, h, b), strides, (64, rows_per_box, 1, 1),
+                             swizzle=128)
 
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream) -> None:
@@ -73,7 +75,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     p["scale_log2"] = scale * LOG2E
     tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
-    get_function(variant)(grid, (THREADS,), (map_q, map_k, map_v, p), shared_mem=variant.smem_bytes, stream=stream)
+    launch(variant, grid, (map_q, map_k, map_v, p), stream)
 
 
 def _sm_count() -> int:
