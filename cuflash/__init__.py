@@ -5,6 +5,7 @@ Public API (flash-attn compatible names)::
     out = cuflash.flash_attn_func(q, k, v, causal=True)
     out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True)
     dq, dk, dv = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decoding
 
 Arrays are (batch, seqlen, heads, headdim), fp16 or bf16, CuPy arrays or anything with ``__dlpack__``
 (torch, JAX); results come back in the caller's framework.
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 from .api import (IMPLS, available_impls, flash_attn_backward, flash_attn_func,  # noqa: E402,F401
                   flash_attn_varlen_backward, flash_attn_varlen_func)
+from .api import flash_attn_combine, flash_attn_with_kvcache  # noqa: E402,F401
 
 __all__ = ["flash_attn_func", "flash_attn_backward", "flash_attn_varlen_func", "flash_attn_varlen_backward",
-           "available_impls", "IMPLS", "__version__"]
+           "flash_attn_with_kvcache", "flash_attn_combine", "available_impls", "IMPLS", "__version__"]

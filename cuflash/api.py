@@ -5,6 +5,7 @@ Names and semantics follow flash-attn, so switching is a change of import.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from . import _validate, fa1, fa2, fa3
 from ._interop import Call
@@ -327,3 +328,189 @@ flash_attn_func.__doc__ += _MASK_DOC
 flash_attn_backward.__doc__ += _MASK_DOC
 flash_attn_varlen_func.__doc__ += _MASK_DOC + _VARLEN_DOC
 flash_attn_varlen_backward.__doc__ += _VARLEN_DOC
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inference: attention over a KV cache (Flash-Decoding) and the merge of split results
+
+
+def _kv_arrays(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin):
+    """(name, array) of every array argument that is given; cache_seqlens only when it is not a Python int."""
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("page_table", page_table),
+             ("cache_batch_idx", cache_batch_idx), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)]
+    named = [(n, a) for n, a in named if a is not None]
+    if not isinstance(cache_seqlens, numbers.Integral) or isinstance(cache_seqlens, bool):
+        named.append(("cache_seqlens", cache_seqlens))
+    return named
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_table=None,
+                            cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
+                            return_softmax_lse=False, check=True):
+    """Attention of new queries over a KV cache, appending new keys/values to the cache first (inference).
+
+    Shapes (fp16 or bf16, last dimension contiguous, other strides free)::
+
+        q                 (batch, seqlen_q, heads, headdim)          seqlen_q >= 1 (1 = plain decoding)
+        k_cache, v_cache  (batch_cache, max_seqlen, kv_heads, headdim)  contiguous cache, or
+                          (num_pages, page_size, kv_heads, headdim)  paged cache (with page_table)
+        k, v              (batch, seqlen_new, kv_heads, headdim)     new tokens, optional
+        cache_seqlens     int32 (batch,) on the GPU, or a Python int: the keys already in each entry's cache
+        page_table        int32 (batch, max_pages): entry b's key j lives in row j % page_size of page
+                          page_table[b, j // page_size] (any page_size >= 1)
+        cache_batch_idx   int32 (batch,): entry b uses row cache_batch_idx[b] of a contiguous cache
+                          (default: row b; batch_cache must then equal batch)
+        rotary_cos/sin    (seqlen_ro, rotary_dim / 2), q's dtype; rotary_dim a multiple of 16, <= headdim
+
+    Paged layout, page_size = 4, page_table[b] = [7, 2, 5, ...], cache_seqlens[b] = 10::
+
+        key j:      0 1 2 3 | 4 5 6 7 | 8 9
+        page, row:  7,0..7,3 | 2,0..2,3 | 5,0 5,1
+
+    Steps: (1) k and v are written into the cache **in place** at positions cache_seqlens[b] ..
+    cache_seqlens[b] + seqlen_new - 1 (rotary applied to k first when rotary_cos/sin are given);
+    (2) q is rotated (positions cache_seqlens[b] + i when causal or windowed, else cache_seqlens[b] for
+    every query, as in flash-attn; q itself is not modified); (3) each entry's queries attend to its
+    keys_b = cache_seqlens[b] + seqlen_new keys. ``rotary_interleaved=False`` rotates channel i with
+    i + rotary_dim / 2 (GPT-NeoX); True rotates pairs (2i, 2i + 1) (GPT-J). Note that flash-attn's
+    default is True.
+
+    ``causal=True`` is aligned bottom-right within each entry: query i sees key j iff
+    j <= i + keys_b - seqlen_q, so the last query sees every key. seqlen_q = 3, keys_b = 6::
+
+        x x x x . .
+        x x x x x .
+        x x x x x x
+
+    ``window_size=(left, right)``, ``softcap`` and ``softmax_scale`` as in ``flash_attn_func``. GQA: the
+    query heads that share a KV head are processed together, so K/V are read once.
+
+    ``num_splits``: the keys of each entry are split over this many thread blocks whose fp32 partial
+    results are merged by their log-sum-exp (Flash-Decoding), which fills the GPU when batch x kv_heads
+    is small; 0 lets ``cuflash.heuristics.decode_num_splits`` choose, 1 never splits.
+
+    ``check=True`` (default) copies cache_seqlens, page_table and cache_batch_idx to the host and refuses
+    values that would read or write outside the arrays (cache_seqlens + seqlen_new beyond the cache, page
+    numbers out of range, rotary positions past seqlen_ro) -- a synchronisation. Pass ``check=False``
+    inside CUDA graphs and hot loops once the inputs are known good; wrong values then read or write
+    out of bounds. Shapes, dtypes and strides are always checked.
+
+    Returns ``out`` (like q), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (batch, heads,
+    seqlen_q), -inf for rows that see no key, whose out is 0).
+    """
+    import cupy
+
+    from . import decode
+    from ._device import compute_capability, device_properties
+    from .heuristics import DECODE_MAX_SPLITS, DECODE_TILES, decode_num_splits
+
+    named = _kv_arrays(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin)
+    with Call(named) as call:
+        spec = {s.name: s for s in call.specs}
+        arr = {s.name: a for s, a in zip(call.specs, call.arrays)}
+        seqlens_arg = spec.get("cache_seqlens", cache_seqlens)
+        dims = _validate.check_kvcache(spec["q"], spec["k_cache"], spec["v_cache"], spec.get("k"), spec.get("v"),
+                                       seqlens_arg, spec.get("page_table"), spec.get("cache_batch_idx"),
+                                       spec.get("rotary_cos"), spec.get("rotary_sin"))
+        if not isinstance(rotary_interleaved, bool):
+            raise TypeError(f"rotary_interleaved must be a bool; got {type(rotary_interleaved).__name__}")
+        scale = _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+        window = _validate.window_bounds(window_size, causal, _validate.Dims(
+            dims.batch, dims.seqlen_q, dims.capacity, dims.heads, dims.kv_heads, dims.headdim, dims.dtype))
+        softcap = _validate.softcap_value(softcap)
+        splits = _validate.num_splits_value(num_splits, DECODE_MAX_SPLITS)
+        if not isinstance(check, bool):
+            raise TypeError(f"check must be a bool; got {type(check).__name__}")
+        q_step = 1 if (causal or tuple(window_size) != (-1, -1)) else 0
+        max_keys = dims.capacity
+        if check:
+            host_seqlens = arr["cache_seqlens"].get() if "cache_seqlens" in arr else [int(cache_seqlens)] * dims.batch
+            _validate.check_kvcache_values(
+                dims, host_seqlens, arr["page_table"].get() if "page_table" in arr else None,
+                arr["cache_batch_idx"].get() if "cache_batch_idx" in arr else None,
+                spec["rotary_cos"].shape[0] if "rotary_cos" in spec else None, q_step)
+            max_keys = int(max(host_seqlens)) + dims.seqlen_new
+        cc = compute_capability(call.device.id)
+        why = _supports_arch(decode, cc)
+        if why is None and dims.headdim not in decode.HEADDIMS:
+            why = f"head dim {dims.headdim} is not supported (supported: {list(decode.HEADDIMS)})"
+        if why is not None:
+            raise ValueError(f"flash_attn_with_kvcache cannot run this call: {why}")
+        mb = decode.m_blocks(dims)
+        if splits == 0:
+            splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
+                                       device_properties(call.device.id)["multiProcessorCount"])
+        _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
+
+        qa = arr["q"]
+        seqlens_dev = arr.get("cache_seqlens")
+        if seqlens_dev is None:
+            seqlens_dev = cupy.full((dims.batch,), int(cache_seqlens), dtype=cupy.int32)
+        pt, cbi = arr.get("page_table"), arr.get("cache_batch_idx")
+        rc, rs = arr.get("rotary_cos"), arr.get("rotary_sin")
+        q_rot = cupy.empty(qa.shape, dtype=qa.dtype) if rc is not None else None
+        if q_rot is not None or dims.seqlen_new:
+            decode.append(qa, arr["k_cache"], arr["v_cache"], arr.get("k"), arr.get("v"), q_rot, seqlens_dev, pt, cbi,
+                          rc, rs, dims, rotary_interleaved, q_step, call.stream)
+        out = cupy.empty(qa.shape, dtype=qa.dtype)
+        lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
+        o_part = lse_part = None
+        if splits > 1:
+            o_part = cupy.empty((splits,) + qa.shape, dtype=cupy.float32)
+            lse_part = cupy.empty((splits, dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
+        decode.forward(qa if q_rot is None else q_rot, arr["k_cache"], arr["v_cache"], out, lse, seqlens_dev, pt, cbi,
+                       dims, window, scale, softcap, splits, call.stream, o_partial=o_part, lse_partial=lse_part)
+        return (call.wrap(out), call.wrap(lse)) if return_softmax_lse else call.wrap(out)
+
+
+def flash_attn_combine(out_partial, lse_partial, *, out_dtype=None):
+    """Merge partial attention results computed over disjoint key sets by their log-sum-exp.
+
+    ``out_partial`` float32 (num_splits, batch, seqlen, heads, headdim), each split normalised over its own
+    keys (last dimension contiguous, other strides free); ``lse_partial`` float32 (num_splits, batch, heads,
+    seqlen). Returns ``(out, lse)``: out (batch, seqlen, heads, headdim) in ``out_dtype`` ("float32"
+    (default), "float16" or "bfloat16"), out = sum_s exp(lse_s - lse) out_s, and lse (batch, heads,
+    seqlen) float32 = log sum_s exp(lse_s). A split with lse -inf contributes nothing (its out is not
+    read); a row whose splits are all -inf gives out 0 and lse -inf.
+    """
+    import cupy
+
+    from . import decode
+
+    with Call([("out_partial", out_partial), ("lse_partial", lse_partial)]) as call:
+        op_spec, lp_spec = call.specs
+        ns, b, s, h, d = _validate.check_combine(op_spec, lp_spec)
+        name = _dtype_name(out_dtype)
+        if name not in decode.COMBINE_DTYPE_CODES:
+            raise ValueError(f"out_dtype must be None, 'float32', 'float16' or 'bfloat16'; got {out_dtype!r}")
+        cc = _device_cc(call)
+        if cc < decode.MIN_CC:
+            raise ValueError(f"flash_attn_combine needs sm_{decode.MIN_CC[0]}{decode.MIN_CC[1]} or newer "
+                             f"(this GPU is sm_{cc[0]}{cc[1]})")
+        out = cupy.empty((b, s, h, d), dtype=name)
+        lse = cupy.empty((b, h, s), dtype=cupy.float32)
+        decode.combine(call.arrays[0], call.arrays[1], out, lse, call.stream)
+        return call.wrap(out), call.wrap(lse)
+
+
+def _dtype_name(dt) -> str:
+    """"float32" / "float16" / "bfloat16" from None, a string, a NumPy/CuPy dtype or type, or a torch dtype."""
+    if dt is None:
+        return "float32"
+    if isinstance(dt, str):
+        return dt
+    name = getattr(dt, "name", None)  # numpy dtypes
+    if isinstance(name, str):
+        return name
+    text = str(dt)  # "torch.bfloat16", "<class 'numpy.float16'>"
+    for n in ("bfloat16", "float16", "float32"):
+        if text.endswith(n) or text.endswith(n + "'>"):
+            return n
+    return text
+
+
+def _device_cc(call):
+    from ._device import compute_capability
+
+    return compute_capability(call.device.id)

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ._jit import Variant, get_function
+from ._jit import Variant, launch
 from ._params import DTYPE_CODES, pointer_fields, stride_fields
 from ._validate import KvDims
 from .heuristics import DECODE_BLOCK_M, DECODE_TILES
@@ -132,12 +132,10 @@ def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_ba
     rows_per_block = AUX_THREADS // 32
     if k is not None and dims.seqlen_new:
         rows = dims.batch * dims.seqlen_new * dims.kv_heads
-        fn = get_function(append_variant("kv_append", dims.dtype))
-        fn((-(-rows // rows_per_block),), (AUX_THREADS,), (p,), stream=stream)
+        launch(append_variant("kv_append", dims.dtype), (-(-rows // rows_per_block),), (p,), stream)
     if q_rot is not None:
         rows = dims.batch * dims.seqlen_q * dims.heads
-        fn = get_function(append_variant("q_rotary", dims.dtype))
-        fn((-(-rows // rows_per_block),), (AUX_THREADS,), (p,), stream=stream)
+        launch(append_variant("q_rotary", dims.dtype), (-(-rows // rows_per_block),), (p,), stream)
 
 
 def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batch_idx, dims: KvDims,
@@ -166,7 +164,7 @@ def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batc
     else:
         p["scale_log2"], p["softcap_pre"] = scale * LOG2E, 0.0
     grid = (num_splits * mb, dims.kv_heads, dims.batch)
-    get_function(variant)(grid, (THREADS,), (p,), shared_mem=variant.smem_bytes, stream=stream)
+    launch(variant, grid, (p,), stream)
     if num_splits > 1:
         combine(o_partial, lse_partial, out, lse, stream)
 
@@ -181,5 +179,4 @@ def combine(o_partial, lse_partial, out, lse, stream) -> None:
     _strides(p, "o", out)
     p["num_splits"], p["batch"], p["seqlen"], p["heads"], p["headdim"] = ns, b, s, h, d
     rows = b * s * h
-    variant = combine_variant(str(out.dtype))
-    get_function(variant)((-(-rows // (AUX_THREADS // 32)),), (AUX_THREADS,), (p,), stream=stream)
+    launch(combine_variant(str(out.dtype)), (-(-rows // (AUX_THREADS // 32)),), (p,), stream)

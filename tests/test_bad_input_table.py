@@ -691,6 +691,7 @@ def test_table_covers_every_argument_of_every_public_function():
     assert not missing, f"no rows for {missing}: add them to CASES"
     assert set(PUBLIC) <= set(cuflash.__all__)
     public = {n for n in cuflash.__all__ if n.startswith("flash_attn")}
+    public -= {"flash_attn_with_kvcache", "flash_attn_combine"}  # their table: tests/test_decode_cpu.py
     assert public <= set(PUBLIC), f"public functions missing from PUBLIC: {sorted(public - set(PUBLIC))}"
     assert set(DIRECTION) == set(POSITIONAL) == set(PUBLIC)
     ids = [c.id for c in CASES]
