@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _bwd_aux, fa1, fa2, fa3
+from . import _bwd_aux, decode, fa1, fa2, fa3
 from ._jit import Compiled, CompileError, Variant, compile_variant
 
 # Every kernel family contributes its variants for an arch here (Hopper-only families return none for
@@ -27,6 +27,7 @@ VARIANT_SOURCES = {
     "fa2": lambda arch: fa2.all_variants(),
     "fa3": fa3.all_variants,
     "bwd_aux": lambda arch: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
+    "decode": lambda arch: decode.all_variants(),  # 12 attention + 4 append/rotary + 3 combine
 }
 
 # Opcodes that show a kernel uses the hardware it was written for.

@@ -631,3 +631,27 @@ def test_param_structs_match_their_numpy_mirrors(tmp_path, monkeypatch, struct, 
     src = tmp_path / f"probe_{struct}.cu"
     src.write_text(_layout_probe(struct, dtype, include) + "extern \"C\" __global__ void probe() {}\n")
     _jit.compile_variant(_jit.Variant("probe", str(src), "probe", tuple(defines)), "sm_80")
+
+
+# ----------------------------------------------------------------------------------------------------
+# machine code (tests/test_compile.py checks every family for compile errors and spills)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_decode_kernels_use_tensor_cores_and_cp_async(arch):
+    """decode_fwd runs on mma.sync (HMMA) fed by cp.async (LDGSTS) and ldmatrix (LDSM), with no spills;
+    the registered family is 2 dtypes x 3 head dims x {contiguous, paged} + 4 append/rotary + 3 combine."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "cuflash", "compile", "--arch", arch, "--family", "decode", "--json"],
+                          capture_output=True, text=True)
+    rows = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stderr
+    assert len(rows) == 19
+    fwd = [r for r in rows if r["kernel"] == "decode_fwd"]
+    assert len(fwd) == 12
+    for r in fwd:
+        ops = r["opcodes"]
+        assert ops and ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, r["name"]
+        assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r["name"]
