@@ -5,6 +5,8 @@ the kernel by value.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._validate import Dims
@@ -12,6 +14,18 @@ from ._validate import Dims
 DIMS_FIELDS = [(n, np.int32) for n in ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "window_left",
                                        "window_right")]
 DTYPE_CODES = {"bfloat16": 0, "float16": 1}  # CUFLASH_DTYPE in kernels_cu/common/types.cuh
+
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def logit_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(scale_log2, softcap_pre) of the kernels' logit convention: a score s becomes
+    x = s (no softcap) or x = tanh(s · softcap_pre) (softcap > 0, softcap_pre = scale / softcap), and
+    P = 2^(x · scale_log2 - m · scale_log2) with scale_log2 = scale · log2 e, or softcap · log2 e."""
+    if softcap > 0:
+        return softcap * LOG2E, scale / softcap
+    return scale * LOG2E, 0.0
 
 
 def pointer_fields(*names: str) -> list[tuple[str, type]]:

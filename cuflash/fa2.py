@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
 import numpy as np
 
 from . import _bwd_aux
 from ._jit import Variant, launch
-from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, pointer_fields,
-                      smem_tile_bytes, stride_fields)
+from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
+                      pointer_fields, smem_tile_bytes, stride_fields)
 from ._validate import Dims
 from .heuristics import FA2_BWD_TILES, FA2_TILES
 
@@ -44,8 +43,6 @@ BWD_PARAMS = np.dtype(
     + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)] + _DROPOUT_FIELDS,
     align=True,
 )
-
-LOG2E = 1.0 / math.log(2.0)
 
 
 def _feature_defines(dtype: str, softcap: bool, alibi: bool, dropout: bool) -> tuple:
@@ -120,13 +117,6 @@ def _dropout_fields(p, dropout) -> None:
     p["dropout_scale"] = 1.0 / (1.0 - prob)
 
 
-def _scales(scale: float, softcap: float) -> tuple[float, float]:
-    """(scale_log2, softcap_pre) of the kernels' logit convention (see kernels_cu/fa2/params.cuh)."""
-    if softcap > 0:
-        return softcap * LOG2E, scale / softcap
-    return scale * LOG2E, 0.0
-
-
 def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
@@ -150,7 +140,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
         fill_strides(p, name, a)
     fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
-    p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
+    p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     _dropout_fields(p, dropout)
     block_m = fwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None).block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
@@ -185,7 +175,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         fill_strides(p, prefix, a)
     fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
-    p["scale_log2"], p["softcap_pre"] = _scales(scale, softcap)
+    p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     p["scale"] = scale
     _dropout_fields(p, dropout)
     grid = ((dims.seqlen_k + t.block_n - 1) // t.block_n, dims.kv_heads, dims.batch)

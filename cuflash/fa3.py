@@ -5,14 +5,12 @@ layout, so any strides that TMA accepts (16-byte aligned) work without copies.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from . import _tma
 from ._interop import dtype_name
 from ._jit import Variant, launch
-from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, pointer_fields
+from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, logit_scales, pointer_fields
 from ._validate import Dims
 from .heuristics import FA3_TILES
 
@@ -20,7 +18,7 @@ FAMILY = "fa3"
 HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
-FWD_FEATURES = frozenset({"causal", "window", "gqa"})
+FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap"})
 BWD_FEATURES = None  # backward: a later issue
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
@@ -29,20 +27,20 @@ PARAMS = np.dtype(
     pointer_fields("o", "lse")
     + [(f"o_{s}_stride", np.int64) for s in ("batch", "row", "head")]
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
-    + DIMS_FIELDS + [("scale_log2", np.float32)],
+    + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
     align=True,
 )
-LOG2E = 1.0 / math.log(2.0)
 
 
-def fwd_variant(headdim: int, dtype: str) -> Variant:
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
     t = FA3_TILES[headdim]
-    q_bytes, kv_bytes = BLOCK_M * headdim * 2, t.block_n * headdim * 2
+    padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
+    q_bytes, kv_bytes = BLOCK_M * padded * 2, t.block_n * padded * 2
     smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
-         ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap))),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -50,7 +48,7 @@ def fwd_variant(headdim: int, dtype: str) -> Variant:
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    return [fwd_variant(d, dtype) for dtype in DTYPE_CODES for d in HEADDIMS]
+    return [fwd_variant(d, dtype, softcap) for dtype in DTYPE_CODES for d in HEADDIMS for softcap in (False, True)]
 
 
 def _tensor_map(a, rows_per_box: int):
@@ -61,10 +59,10 @@ def _tensor_map(a, rows_per_box: int):
                              swizzle=128)
 
 
-def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream) -> None:
+def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0) -> None:
     """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q)."""
     t = FA3_TILES[dims.headdim]
-    variant = fwd_variant(dims.headdim, dims.dtype)
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0)
     map_q, map_k, map_v = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
@@ -72,7 +70,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = (out.strides[i] // item for i in (0, 1, 2))
     fill_row_strides(p, dims, None)
     fill_dims(p, dims, window)
-    p["scale_log2"] = scale * LOG2E
+    p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     launch(variant, grid, (map_q, map_k, map_v, p), stream)

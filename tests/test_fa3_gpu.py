@@ -1,6 +1,7 @@
 """FA3 (Hopper) forward against the fp32 reference by FlashAttention's tolerance rule (GPU tier, sm_90
-only), outputs poisoned: head dims, causal, window, GQA/MQA, odd lengths (1, 113, 239, 1023, 4224),
-Sq != Sk both ways, fp16, strided inputs."""
+only), outputs poisoned: head dims (96 is stored padded to 128), causal, window, softcap, GQA/MQA, odd
+lengths (1, 113, 239, 1023, 4224), Sq != Sk both ways, fp16, strided inputs, many tiles per persistent
+block."""
 import numpy as np
 import pytest
 
@@ -19,13 +20,13 @@ def _hopper_only():
         pytest.skip("FA3 kernels are built for sm_90a")
 
 
-HEADDIMS = (64, 128, 256)
+HEADDIMS = (64, 96, 128, 192, 256)
 SEQLENS = [(113, 239), (239, 113), (1, 1023), (1023, 1023), (4224, 129), (7, 1)]
 HEADS = [(4, 4), (6, 2), (4, 1)]
 
 
-def _check(q, k, v, causal=False, window=(-1, -1)):
-    check_forward("fa3", q, k, v, causal=causal, window_size=window)
+def _check(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
+    check_forward("fa3", q, k, v, causal=causal, window_size=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)
@@ -60,6 +61,18 @@ def test_persistent_blocks_skip_empty_tiles(poison_allocations, d):
     empty (O = 0, LSE = -inf) and some blocks get only empty tiles; the rest must still be right."""
     q, k, v = _inputs(np.random.default_rng(), 2, 2000, 300, 16, 8, d, "bfloat16")
     _check(q, k, v, window=(0, 0))
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(poison_allocations, d, causal):
+    q, k, v = _inputs(np.random.default_rng(), 2, 239, 300, 4, 2, d, "bfloat16")
+    _check(q * 4, k, v, causal=causal, softcap=5.0)  # scores of a few units: the cap bends them
+
+
+def test_softcap_with_window_and_fp16(poison_allocations):
+    q, k, v = _inputs(np.random.default_rng(), 2, 300, 239, 6, 2, 128, "float16")
+    _check(q, k, v, window=(40, 7), softcap=2.5)
 
 
 @pytest.mark.parametrize("d", HEADDIMS)

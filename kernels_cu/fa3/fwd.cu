@@ -15,8 +15,8 @@
 // Tiles in shared memory are 64-column atoms with the 128-byte swizzle that TMA writes and wgmma reads
 // (common/hopper.cuh). Not yet: a TMA-store epilogue (bench/NOTES.md).
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128, 256), CUFLASH_BLOCK_N,
-// CUFLASH_STAGES, CUFLASH_DTYPE.
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
+// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -24,15 +24,20 @@
 #include "fa3/params.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
+// Tiles hold whole 64-column atoms: d = 96 is stored as 128 columns whose last 32 TMA fills with zeros
+// (the tensor map's row is 96 wide). S = Q K^T runs over the 96 real columns only; O += P V runs at
+// N = 128 and the 32 extra output columns (zeros) are not stored.
+constexpr int DP = (D + 63) / 64 * 64;
 constexpr int BM = 128;  // two consumer warpgroups x 64 rows
 constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
-constexpr int ATOMS = D / 64;  // 64-column atoms per row
+constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr int ATOMS = DP / 64;  // 64-column atoms per row
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
-constexpr int Q_BYTES = BM * D * 2, KV_BYTES = BN * D * 2;
+constexpr int Q_BYTES = BM * DP * 2, KV_BYTES = BN * DP * 2;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(D % 64 == 0 && BN % 16 == 0 && BN <= 256, "tiles are whole 64-column atoms; BN is a wgmma N");
+static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 16-column k-steps; BN is a wgmma N");
 
 struct Smem {
     alignas(1024) unsigned char q[Q_BYTES];             // ATOMS atoms of [BM][64]
@@ -59,7 +64,7 @@ __device__ __forceinline__ void load_atoms(unsigned char* dst, int rows, const T
 // and, of a 64 x N accumulator, element 4j + e = (row row_lo + 8 (e / 2), column 8 j + 2 q4 + e % 2).
 
 // S = Q K^T for one K tile (asynchronous; one commit group): D / 16 k-steps, 4 per 64-column atom, 32
-// bytes apart inside the atom.
+// bytes apart inside the atom (the zero padding of d = 96 is skipped).
 __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned char* q_rows, const unsigned char* k) {
     wgmma_fence();
 #pragma unroll
@@ -74,10 +79,10 @@ __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned cha
 
 // O += P V for one V tile (asynchronous; one commit group): P from registers 16 keys at a time; V [BN][D]
 // read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step.
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const u32 (&pv_a)[BN / 16][4], const unsigned char* v) {
+__device__ __forceinline__ void issue_pv(float (&o)[DP / 2], const u32 (&pv_a)[BN / 16][4], const unsigned char* v) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<DP, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
     wgmma_commit();
 }
 
@@ -90,7 +95,8 @@ __device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[BN
         for (int r = 0; r < 4; ++r) pv_a[kk][r] = elem_t::pack2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
 }
 
-// Running max and exp-sum of this thread's two rows (scores in log2 units: S * scale * log2 e).
+// Running max and exp-sum of this thread's two rows. Logits x are S (or tanh(S softcap_pre) with
+// softcap), P = 2^(x scale_log2 - m scale_log2): cuflash/_params.logit_scales.
 struct OnlineSoftmax {
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
 
@@ -98,7 +104,12 @@ struct OnlineSoftmax {
     // 64-row block m64) crosses a mask edge. Returns whether O needs rescaling by alpha (a row max moved
     // somewhere in the warp).
     __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, int m64, int n, int row_lo, int q4,
-                                         float scale_log2) {
+                                         const Fa3FwdParams& p) {
+        const float scale_log2 = p.scale_log2;
+        if constexpr (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) sc[i] = tanh_approx(sc[i] * p.softcap_pre);
+        }
         if (!mask.tile_all_visible<64, BN>(m64, n)) {  // only tiles that cross a mask edge pay for this
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
@@ -130,9 +141,9 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
     }
 
-    __device__ __forceinline__ void rescale(float (&o)[D / 2]) const {
+    __device__ __forceinline__ void rescale(float (&o)[DP / 2]) const {
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
+        for (int j = 0; j < DP / 8; ++j) {
             o[4 * j] *= alpha[0];
             o[4 * j + 1] *= alpha[0];
             o[4 * j + 2] *= alpha[1];
@@ -142,7 +153,7 @@ struct OnlineSoftmax {
 };
 
 // O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end skipped.
-__device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[D / 2], const OnlineSoftmax& sm,
+__device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[DP / 2], const OnlineSoftmax& sm,
                                              int row_lo, int q4, int head, int batch) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -221,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
 
-    float o[D / 2];
+    float o[DP / 2];
     float sc[BN / 2];      // S_n, then P_n in fp32 (accumulator layout)
     u32 pv_a[BN / 16][4];  // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
     int i = 0, q_iter = 0;
@@ -234,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int n_lo, n_hi;
         mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
 #pragma unroll
-        for (int j = 0; j < D / 2; ++j) o[j] = 0.f;
+        for (int j = 0; j < DP / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
         if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
             store_output(p, o, softmax, row_lo, q4, tile.head, tile.batch);
@@ -255,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&sm.k_empty[s]);
                 if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
-            softmax.step(sc, mask, m64, n_lo, row_lo, q4, p.scale_log2);
+            softmax.step(sc, mask, m64, n_lo, row_lo, q4, p);
             pack_p(sc, pv_a);
         }
 
@@ -274,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
-            const bool rescale = softmax.step(sc, mask, m64, n, row_lo, q4, p.scale_log2);
+            const bool rescale = softmax.step(sc, mask, m64, n, row_lo, q4, p);
             // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
             // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
             // the SASS).

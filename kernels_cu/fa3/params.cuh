@@ -10,5 +10,6 @@ struct Fa3FwdParams {
     i64 row_batch_stride, row_head_stride;  // of the LSE: (batch, heads, seqlen_q)
     int batch, heads, kv_heads, seqlen_q, seqlen_k;
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
-    float scale_log2;               // softmax scale * log2(e)
+    float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
+    float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
 };
