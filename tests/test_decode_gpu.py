@@ -1,0 +1,247 @@
+"""Decode family on the GPU (flash_attn_with_kvcache, flash_attn_combine) against the fp32 reference by
+FlashAttention's tolerance rule; every allocation poisoned with NaN (conftest.poison_allocations), so an
+output element the kernels never write fails. Covers contiguous and paged caches (page sizes 1, 16, 64,
+256), ragged cache lengths with 0 and 1, the in-place append, rotary (GPT-NeoX and GPT-J, partial
+rotary_dim), seqlen_q > 1 causal (bottom-right, rows that see nothing), window, softcap, GQA groups
+larger than one 16-row block, unsplit / forced / automatic splits, cache_batch_idx, an int cache_seqlens,
+check=False, fp16, and the combine on its own."""
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+
+def _rand(rng, shape, dtype):
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+
+def _inputs(rng, *, dtype, paged, page_size, b, sq, h, hkv, d, lens, new, rotary_dim=0, cache_batch=None):
+    """q, caches, new k/v, cache_seqlens (int32 on the GPU), page_table and rotary tables as a dict of
+    flash_attn_with_kvcache's arguments. Unused page-table entries hold -1 (the kernels must not read them)."""
+    import cupy
+
+    need = max(lens) + new
+    args = {"q": _rand(rng, (b, sq, h, d), dtype)}
+    if paged:
+        max_pages = -(-need // page_size) + 1
+        pages = b * max_pages + 3
+        args["k_cache"] = _rand(rng, (pages, page_size, hkv, d), dtype)
+        args["v_cache"] = _rand(rng, (pages, page_size, hkv, d), dtype)
+        table = rng.permutation(pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+        for bi, n in enumerate(lens):
+            table[bi, -(-(n + new) // page_size):] = -1
+        args["page_table"] = cupy.asarray(table)
+    else:
+        rows = cache_batch or b
+        args["k_cache"] = _rand(rng, (rows, need + 5, hkv, d), dtype)
+        args["v_cache"] = _rand(rng, (rows, need + 5, hkv, d), dtype)
+        if cache_batch:
+            args["cache_batch_idx"] = cupy.asarray(rng.permutation(cache_batch)[:b].astype(np.int32))
+    if new:
+        args["k"] = _rand(rng, (b, new, hkv, d), dtype)
+        args["v"] = _rand(rng, (b, new, hkv, d), dtype)
+    args["cache_seqlens"] = cupy.asarray(np.asarray(lens, np.int32))
+    if rotary_dim:
+        pos = np.arange(need + sq + 1)[:, None]
+        inv_freq = 1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)
+        args["rotary_cos"] = cupy.asarray(np.cos(pos * inv_freq).astype(np.float32)).astype(dtype)
+        args["rotary_sin"] = cupy.asarray(np.sin(pos * inv_freq).astype(np.float32)).astype(dtype)
+    return args
+
+
+def _run(args, *, num_splits=0, check=True, seqlens_as_int=False, **options):
+    """Calls flash_attn_with_kvcache on ``args`` (the caches are modified in place) and checks out, lse and
+    both caches against the references computed from copies taken before the call. Returns (out, lse)."""
+    kc0, vc0 = args["k_cache"].copy(), args["v_cache"].copy()
+    call = dict(args)
+    if seqlens_as_int:
+        call["cache_seqlens"] = int(args["cache_seqlens"][0])
+    q, kc, vc = call.pop("q"), call.pop("k_cache"), call.pop("v_cache")
+    k, v = call.pop("k", None), call.pop("v", None)
+    out, lse = cuflash.flash_attn_with_kvcache(q, kc, vc, k, v, num_splits=num_splits, check=check,
+                                               return_softmax_lse=True, **call, **options)
+    ref_args = dict(args, k_cache=kc0, v_cache=vc0)
+    o_ref, lse_ref, kc_ref, vc_ref = ref.kvcache_attention_ref(**ref_args, **options)
+    o_low, _, _, _ = ref.kvcache_attention_ref(**ref_args, lowp=True, **options)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+    # the append: v copied bit for bit, k rotated as rotary_ref rounded (same fp32 products; allow one ulp),
+    # every other cache row untouched
+    assert bool((vc.view("uint16") == vc_ref.view("uint16")).all()), "v_cache after the append"
+    got, want = kc.astype("float32"), kc_ref.astype("float32")
+    ulp = 2.0 ** -7 if str(q.dtype) == "bfloat16" else 2.0 ** -10
+    assert float(abs(got - want).max() if got.size else 0) <= ulp * float(abs(want).max()), "k_cache after the append"
+    if "rotary_cos" not in args:
+        assert bool((kc.view("uint16") == kc_ref.view("uint16")).all()), "k_cache after the append"
+    return out, lse
+
+
+CONTIGUOUS = [
+    # (b, sq, h, hkv, d, lens, new)
+    (3, 1, 8, 2, 128, (0, 1, 337), 1),
+    (2, 1, 4, 4, 64, (1, 1000), 0),
+    (4, 1, 16, 1, 256, (7, 0, 64, 129), 1),
+    (1, 1, 32, 8, 128, (4224,), 1),
+    (2, 1, 6, 2, 64, (63, 65), 0),
+]
+
+
+@pytest.mark.parametrize("shape", CONTIGUOUS, ids=[f"b{c[0]}-h{c[2]}-{c[3]}-d{c[4]}-lens{'_'.join(map(str, c[5]))}-new{c[6]}"
+                                                   for c in CONTIGUOUS])
+@pytest.mark.parametrize("num_splits", [1, 0, 3])
+def test_contiguous(poison_allocations, shape, num_splits):
+    b, sq, h, hkv, d, lens, new = shape
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=False, page_size=0, b=b, sq=sq, h=h, hkv=hkv, d=d,
+                   lens=lens, new=new)
+    _run(args, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_paged(poison_allocations, page_size, num_splits, d):
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=page_size, b=4, sq=1, h=8, hkv=2,
+                   d=d, lens=(0, 1, 300, 1000), new=1)
+    _run(args, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("sq,new", [(4, 4), (7, 7), (5, 2), (3, 0)])
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_causal_several_queries(poison_allocations, paged, sq, new, num_splits):
+    """Sq > 1 (speculative decoding, chunked prefill): bottom-right causal within each entry; entry 0 has an
+    empty cache, so with Sq > new its first rows see nothing (out 0, lse -inf)."""
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=paged, page_size=16, b=3, sq=sq, h=8, hkv=2,
+                   d=128, lens=(0, 1, 250), new=new)
+    out, lse = _run(args, num_splits=num_splits, causal=True)
+    if sq > new:
+        assert bool((lse[0, :, : sq - new] == -np.inf).all())
+        assert float(abs(out[0, : sq - new].astype("float32")).max()) == 0.0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rotary_dim", [64, 128])
+@pytest.mark.parametrize("paged", [False, True])
+def test_rotary(poison_allocations, interleaved, causal, rotary_dim, paged):
+    """Rotary on q (positions cache_seqlens + i when causal, else cache_seqlens) and on the appended k;
+    rotary_dim 64 of d = 128 leaves the upper half as it is."""
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=paged, page_size=16, b=3, sq=3, h=8, hkv=2, d=128,
+                   lens=(0, 5, 200), new=3, rotary_dim=rotary_dim)
+    _run(args, num_splits=0, causal=causal, rotary_interleaved=interleaved)
+
+
+@pytest.mark.parametrize("window", [(32, 0), (100, -1), (0, 0), (17, 5)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_window(poison_allocations, window, num_splits):
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=64, b=3, sq=2, h=8, hkv=2, d=128,
+                   lens=(0, 40, 700), new=2)
+    _run(args, num_splits=num_splits, window_size=window)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(poison_allocations, num_splits, causal):
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=False, page_size=0, b=2, sq=2, h=8, hkv=2, d=128,
+                   lens=(90, 500), new=1)
+    args["q"] = (args["q"].astype("float32") * 4).astype("bfloat16")  # large logits, so the cap matters
+    _run(args, num_splits=num_splits, causal=causal, softcap=5.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp16(poison_allocations, d):
+    args = _inputs(np.random.default_rng(), dtype="float16", paged=True, page_size=16, b=2, sq=2, h=4, hkv=2, d=d,
+                   lens=(3, 333), new=2, rotary_dim=32)
+    _run(args, num_splits=0, causal=True)
+
+
+@pytest.mark.parametrize("h,hkv,sq", [(32, 1, 1), (8, 2, 5), (48, 4, 3)])
+def test_gqa_groups_over_16_rows(poison_allocations, h, hkv, sq):
+    """group x seqlen_q > 16 rows: several m-blocks per (entry, KV head)."""
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=16, b=2, sq=sq, h=h, hkv=hkv,
+                   d=128, lens=(1, 400), new=1)
+    _run(args, num_splits=0, causal=True)
+
+
+def test_cache_batch_idx(poison_allocations):
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=False, page_size=0, b=3, sq=1, h=8, hkv=2, d=128,
+                   lens=(10, 0, 300), new=1, cache_batch=5)
+    _run(args, num_splits=2)
+
+
+def test_int_cache_seqlens(poison_allocations):
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=16, b=3, sq=1, h=8, hkv=2, d=64,
+                   lens=(77, 77, 77), new=1)
+    _run(args, num_splits=0, seqlens_as_int=True)
+
+
+def test_unchecked_call_matches(poison_allocations):
+    """check=False (the CUDA-graph path) computes the same thing on good inputs."""
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=16, b=2, sq=1, h=8, hkv=2, d=128,
+                   lens=(5, 900), new=0)
+    _run(args, num_splits=4, check=False)
+
+
+def test_splits_agree(poison_allocations):
+    """The same call unsplit, forced into 1..7 splits and automatic: each within tolerance (the partial
+    results and the combine are exercised on a long cache at batch 1, where the heuristic splits)."""
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=64, b=1, sq=1, h=8, hkv=1, d=128,
+                   lens=(8191,), new=0)
+    for n in (1, 2, 7, 0):
+        _run(args, num_splits=n)
+
+
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16", "float16"])
+def test_combine(poison_allocations, out_dtype):
+    """flash_attn_combine on its own: random partials, a split with lse -inf whose rows hold NaN (never
+    read), a row with every split at -inf (out 0, lse -inf), strided (non-contiguous) partials."""
+    import cupy
+
+    rng = np.random.default_rng()
+    ns, b, s, h, d = 6, 2, 3, 5, 96
+    o_full = rng.standard_normal((ns, b, s, h, d + 8)).astype(np.float32)
+    lse = (rng.standard_normal((ns, b, h, s)) * 4).astype(np.float32)
+    lse[2] = -np.inf
+    o_full[2] = np.nan
+    lse[:, 1, 3, 2] = -np.inf
+    o = o_full[..., :d]
+    o_dev = cupy.asarray(o_full)[..., :d]  # heads d + 8 elements apart: strides are read, not assumed
+    assert not o_dev.flags.c_contiguous
+    out, l = cuflash.flash_attn_combine(o_dev, cupy.asarray(lse), out_dtype=out_dtype)
+    want_o, want_l = ref.combine_ref(o, lse)
+    assert out.shape == (b, s, h, d) and str(out.dtype) == (out_dtype or "float32") and l.shape == (b, h, s)
+    rtol = {None: 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[out_dtype]
+    np.testing.assert_allclose(out.astype("float32").get(), want_o, rtol=rtol, atol=1e-5)
+    got_l = l.get()
+    assert np.array_equal(got_l == -np.inf, want_l == -np.inf)
+    fin = np.isfinite(want_l)
+    np.testing.assert_allclose(got_l[fin], want_l[fin], rtol=1e-5, atol=1e-5)
+    assert float(abs(out[1, 2, 3].astype("float32")).max()) == 0.0
+
+
+def test_combine_of_split_decode_matches_unsplit(poison_allocations):
+    """The public combine merges what cuflash's own split results would be: two halves of the keys
+    attended separately (as two caches), merged, against attention over all keys."""
+    import cupy
+
+    rng = np.random.default_rng()
+    b, h, hkv, d, n = 2, 8, 2, 128, 500
+    q = _rand(rng, (b, 1, h, d), "bfloat16")
+    kc, vc = _rand(rng, (b, n, hkv, d), "bfloat16"), _rand(rng, (b, n, hkv, d), "bfloat16")
+    parts = []
+    for lo, hi in ((0, 217), (217, n)):
+        o, l = cuflash.flash_attn_with_kvcache(q, cupy.ascontiguousarray(kc[:, lo:hi]), cupy.ascontiguousarray(vc[:, lo:hi]),
+                                               cache_seqlens=hi - lo, num_splits=1, return_softmax_lse=True)
+        parts.append((o.astype("float32"), l))
+    out, lse = cuflash.flash_attn_combine(cupy.stack([p[0] for p in parts]), cupy.stack([p[1] for p in parts]),
+                                          out_dtype="bfloat16")
+    o_ref, lse_ref, _, _ = ref.kvcache_attention_ref(q, kc, vc, cache_seqlens=n)
+    o_low, _, _, _ = ref.kvcache_attention_ref(q, kc, vc, cache_seqlens=n, lowp=True)
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
