@@ -10,7 +10,8 @@ import numpy as np
 from . import _tma
 from ._interop import dtype_name
 from ._jit import Variant, launch
-from ._params import DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, logit_scales, pointer_fields
+from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
+                      pointer_fields)
 from ._validate import Dims
 from .heuristics import FA3_TILES
 
@@ -18,13 +19,13 @@ FAMILY = "fa3"
 HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
-FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap"})
+FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
 BWD_FEATURES = None  # backward: a later issue
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
 
 PARAMS = np.dtype(
-    pointer_fields("o", "lse")
+    pointer_fields("o", "lse", "cu_seqlens_q", "cu_seqlens_k")
     + [(f"o_{s}_stride", np.int64) for s in ("batch", "row", "head")]
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
@@ -32,7 +33,7 @@ PARAMS = np.dtype(
 )
 
 
-def fwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
     t = FA3_TILES[headdim]
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
     q_bytes, kv_bytes = BLOCK_M * padded * 2, t.block_n * padded * 2
@@ -40,7 +41,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
-         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap))),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen))),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -48,27 +49,43 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    return [fwd_variant(d, dtype, softcap) for dtype in DTYPE_CODES for d in HEADDIMS for softcap in (False, True)]
+    return [fwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in HEADDIMS
+            for softcap in (False, True) for varlen in (False, True)]
 
 
 def _tensor_map(a, rows_per_box: int):
-    """A 4-D map over (d, seqlen, heads, batch), innermost first, loading 64 x rows_per_box boxes."""
-    b, s, h, d = a.shape
-    strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
+    """A 4-D map over (d, seqlen, heads, batch), innermost first, loading 64 x rows_per_box boxes. A packed
+    (total, heads, d) array is one batch entry of ``total`` rows (the kernel adds each sequence's start)."""
+    if a.ndim == 3:
+        (s, h, d), b = a.shape, 1
+        strides = (a.strides[0], a.strides[1], a.strides[0] * max(1, s))  # the batch stride is never used
+    else:
+        b, s, h, d = a.shape
+        strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
     return _tma.encode_tiled(a.data.ptr, dtype_name(a.dtype), (d, s, h, b), strides, (64, rows_per_box, 1, 1),
                              swizzle=128)
 
 
-def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0) -> None:
-    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` (batch, heads, seqlen_q)."""
+def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0,
+            cu_seqlens=None) -> None:
+    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` ((batch, heads, seqlen_q), or
+    (heads, total_q) for packed variable-length inputs: ``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k) and
+    ``dims`` carrying the longest lengths).
+
+    Packed K/V are read by TMA a whole tile at a time: the last tile of a sequence reads rows past its end
+    (the next sequence's, weighted by exactly zero), and for the last sequence the rows after
+    cu_seqlens_k[-1] if the arrays have any — those must hold finite numbers (0 × NaN is NaN).
+    """
     t = FA3_TILES[dims.headdim]
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0)
+    cu_q, cu_k = cu_seqlens or (None, None)
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None)
     map_q, map_k, map_v = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
-    item = out.dtype.itemsize
-    p["o_batch_stride"], p["o_row_stride"], p["o_head_stride"] = (out.strides[i] // item for i in (0, 1, 2))
-    fill_row_strides(p, dims, None)
+    if cu_q is not None:
+        p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
+    fill_strides(p, "o", out)
+    fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch

@@ -42,3 +42,19 @@ def check_backward(impl, q, k, v, *, deterministic=False, **options):
         assert g.shape == like.shape and g.dtype == like.dtype
         ref.check_close(name, g, g_ref, g_low)
     return dout, out, lse, grads
+
+
+def varlen_batch(rng, lens_q, lens_k, h, hkv, d, dtype="bfloat16", extra_rows=3):
+    """Packed inputs with a few unused rows at the end (they belong to no sequence)."""
+    import cupy
+
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+
+    def rand(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+    q = rand(int(cu_q[-1]) + extra_rows, h, d)
+    k = rand(int(cu_k[-1]) + extra_rows, hkv, d)
+    v = rand(int(cu_k[-1]) + extra_rows, hkv, d)
+    return q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), cu_q, cu_k

@@ -104,9 +104,10 @@ def test_fa3_uses_hopper_hardware(report):
         assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
 
 
-@pytest.mark.parametrize("headdim, softcap", [(64, False), (96, False), (128, False), (128, True), (192, False),
-                                              (256, False)])
-def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap):
+@pytest.mark.parametrize("headdim, softcap, varlen", [(64, False, False), (96, False, False), (128, False, False),
+                                                      (128, True, False), (128, False, True), (192, False, False),
+                                                      (256, False, False)])
+def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen):
     """The FA3 main loop issues S_n = Q K_n^T and O += P_{n-1} V_{n-1}, waits for S_n only
     (WARPGROUP.DEPBAR.LE gsb0, 0x1), computes the softmax (MUFU.EX2) while the P V GEMM runs, and only
     then waits for it (DEPBAR ... 0x0). ptxas is free to hoist that last wait above the exponentials (it
@@ -119,7 +120,7 @@ def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap):
     tool = compile_report.find_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap), "sm_90a").cubin
+    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen), "sm_90a").cubin
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:

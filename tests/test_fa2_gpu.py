@@ -6,7 +6,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
-from gpu_checks import check_backward, check_forward
+from gpu_checks import check_backward, check_forward, varlen_batch
 from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
@@ -173,22 +173,6 @@ def test_auto_backward_deterministic_picks_fa2():
 
 # --- variable-length batches ---------------------------------------------------------------------------
 
-def _varlen_batch(rng, lens_q, lens_k, h, hkv, d, dtype="bfloat16", extra_rows=3):
-    """Packed inputs with a few unused rows at the end (they belong to no sequence)."""
-    import cupy
-
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-
-    def rand(*shape):
-        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-    q = rand(int(cu_q[-1]) + extra_rows, h, d)
-    k = rand(int(cu_k[-1]) + extra_rows, hkv, d)
-    v = rand(int(cu_k[-1]) + extra_rows, hkv, d)
-    return q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), cu_q, cu_k
-
-
 VARLEN_CASES = [
     ([113, 0, 1, 239, 64], [239, 5, 1, 113, 64]),  # empty and length-1 sequences, Sq != Sk both ways
     ([300, 7, 1024], [300, 1, 1024]),
@@ -204,7 +188,7 @@ def test_varlen_forward_backward(d, causal, lens):
 
     rng = np.random.default_rng()
     lens_q, lens_k = lens
-    q, k, v, cu_q, cu_k, hq, hk = _varlen_batch(rng, lens_q, lens_k, 6, 2, d)
+    q, k, v, cu_q, cu_k, hq, hk = varlen_batch(rng, lens_q, lens_k, 6, 2, d)
     out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                               return_lse=True, impl="fa2")
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
@@ -237,7 +221,7 @@ def test_varlen_forward_backward(d, causal, lens):
 def test_varlen_bad_offsets_are_refused():
     import cupy
 
-    q, k, v, cu_q, cu_k, _, _ = _varlen_batch(np.random.default_rng(), [5, 6], [5, 6], 2, 2, 64)
+    q, k, v, cu_q, cu_k, _, _ = varlen_batch(np.random.default_rng(), [5, 6], [5, 6], 2, 2, 64)
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         cuflash.flash_attn_varlen_func(q, k, v, cupy.asarray([0, 6, 5], dtype=cupy.int32), cu_k, 6, 6)
     with pytest.raises(ValueError, match="max_seqlen_k = 3"):

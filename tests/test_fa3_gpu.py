@@ -1,12 +1,13 @@
 """FA3 (Hopper) forward against the fp32 reference by FlashAttention's tolerance rule (GPU tier, sm_90
 only), outputs poisoned: head dims (96 is stored padded to 128), causal, window, softcap, GQA/MQA, odd
 lengths (1, 113, 239, 1023, 4224), Sq != Sk both ways, fp16, strided inputs, many tiles per persistent
-block."""
+block, variable-length (packed) batches."""
 import numpy as np
 import pytest
 
 import cuflash
-from gpu_checks import check_forward
+from cuflash import reference as ref
+from gpu_checks import check_forward, varlen_batch
 from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
@@ -97,3 +98,57 @@ def test_misaligned_rows_are_refused_not_faulted():
     q = base[..., :64]  # head stride 68 elements = 136 bytes: not a multiple of 16
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         cuflash.flash_attn_func(q, q, q, impl="fa3")
+
+
+# --- variable-length batches ----------------------------------------------------------------------------
+
+FA3_VARLEN_CASES = [
+    ([113, 0, 1, 239, 64], [239, 5, 1, 113, 64]),  # empty and length-1 sequences, Sq != Sk both ways
+    ([1, 1, 1], [1000, 0, 77]),  # empty K: rows see nothing (out 0, lse -inf)
+    ([1500, 3, 700, 0, 129], [1500, 900, 3, 64, 129]),  # many tiles per persistent block, most sequences short
+]
+
+
+def _check_varlen(lens_q, lens_k, d, h=6, hkv=2, dtype="bfloat16", **options):
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k, hq, hk = varlen_batch(rng, lens_q, lens_k, h, hkv, d, dtype)
+    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True,
+                                              impl="fa3", **options)
+    for b in range(len(lens_q)):
+        qs, qe, ks, ke = int(hq[b]), int(hq[b + 1]), int(hk[b]), int(hk[b + 1])
+        if qe == qs:
+            continue
+        if ke == ks:
+            assert float(abs(out[qs:qe].astype("float32")).max()) == 0.0
+            assert bool((lse[:, qs:qe] == -np.inf).all())
+            continue
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]  # one sequence as a batch of 1
+        o_ref, lse_ref = ref.attention_ref(qb, kb, vb, **options)
+        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, **options)
+        ref.check_close(f"out[{b}]", out[None, qs:qe], o_ref, o_low)
+        ref.check_close(f"lse[{b}]", lse[None, :, qs:qe], lse_ref, lse_ref, atol=2e-3)
+    # rows after the last sequence belong to none: untouched zeros, LSE -inf
+    assert float(abs(out[int(hq[-1]):].astype("float32")).max()) == 0.0
+    assert bool((lse[:, int(hq[-1]):] == -np.inf).all())
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", FA3_VARLEN_CASES)
+def test_varlen(d, causal, lens):
+    _check_varlen(*lens, d, causal=causal)
+
+
+def test_varlen_many_heads_window_softcap_fp16():
+    _check_varlen([1500, 3, 700, 0, 129], [1500, 900, 3, 64, 129], 128, h=16, hkv=4, dtype="float16",
+                  window_size=(100, 20), softcap=3.0)
+
+
+def test_auto_picks_fa3_for_varlen():
+    import cupy
+
+    rng = np.random.default_rng()
+    q, k, v, cu_q, cu_k, _, _ = varlen_batch(rng, [100, 50], [60, 200], 4, 2, 128)
+    a = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, causal=True)
+    b = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, causal=True, impl="fa3")
+    assert bool(cupy.all(a.view("uint16") == b.view("uint16")))

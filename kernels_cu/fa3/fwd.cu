@@ -16,10 +16,11 @@
 // (common/hopper.cuh). Not yet: a TMA-store epilogue (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
-// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1).
+// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "common/seqlen.cuh"
 #include "common/tile_scheduler.cuh"
 #include "fa3/params.cuh"
 
@@ -32,6 +33,7 @@ constexpr int BM = 128;  // two consumer warpgroups x 64 rows
 constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr bool VARLEN = CUFLASH_VARLEN;  // packed (total, heads, d) inputs, sequences found by cu_seqlens
 constexpr int ATOMS = DP / 64;  // 64-column atoms per row
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
@@ -152,14 +154,16 @@ struct OnlineSoftmax {
     }
 };
 
-// O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end skipped.
+// O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end of the
+// sequence skipped (in a packed batch they belong to the next one). Rows count from seq.q_start.
 __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[DP / 2], const OnlineSoftmax& sm,
-                                             int row_lo, int q4, int head, int batch) {
+                                             const SeqInfo& seq, int row_lo, int q4, int head, int batch) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = row_lo + 8 * r;
+        const int local_row = row_lo + 8 * r;
         const float l = quad_sum(sm.row_sum[r]);
-        if (row >= p.seqlen_q) continue;
+        if (local_row >= seq.seqlen_q) continue;
+        const i64 row = i64(seq.q_start) + local_row;
         const float inv = l > 0.f ? 1.f / l : 0.f;
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
 #pragma unroll
@@ -171,6 +175,12 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
     }
 }
 
+// This tile's sequence: its lengths and, in a packed batch, its first rows (common/seqlen.cuh).
+__device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
+    return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
+                  : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const Fa3FwdParams p) {
@@ -179,8 +189,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     const int warpgroup = threadIdx.x / 128;
     const int group = p.heads / p.kv_heads;
-    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    const int m_blocks = (p.seqlen_q + BM - 1) / BM;
+    const int m_blocks = (p.seqlen_q + BM - 1) / BM;  // of the longest sequence when VARLEN
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
@@ -205,22 +214,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int i = 0, q_iter = 0;
         for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
             const Tile tile = sched.tile();
+            const SeqInfo seq = sequence(p, tile.batch);
+            if (tile.m_block * BM >= seq.seqlen_q) continue;  // a shorter sequence of a packed batch
+            const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
             int n_lo, n_hi;
             mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
             if (n_lo == n_hi) continue;
-            const int kv_head = tile.head / group;
+            const int kv_head = tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
             mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
             mbar_arrive_expect_tx(&sm.q_full, Q_BYTES);
-            load_atoms(sm.q, BM, &map_q, &sm.q_full, tile.m_block * BM, tile.head, tile.batch);
+            load_atoms(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
                 const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
                 mbar_wait(&sm.k_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.k_full[s], KV_BYTES);
-                load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], n * BN, kv_head, tile.batch);
+                load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], seq.k_start + n * BN, kv_head, tma_batch);
                 mbar_wait(&sm.v_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.v_full[s], KV_BYTES);
-                load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], n * BN, kv_head, tile.batch);
+                load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
             }
         }
         return;
@@ -240,6 +252,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
         const Tile tile = sched.tile();
+        const SeqInfo seq = sequence(p, tile.batch);
+        if (tile.m_block * BM >= seq.seqlen_q) continue;  // as the producer: no such rows
+        const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         const int m64 = tile.m_block * 2 + c;              // this warpgroup's 64-row block
         const int row_lo = m64 * 64 + 16 * w + g;           // this thread's rows: row_lo and row_lo + 8
         int n_lo, n_hi;
@@ -248,7 +263,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int j = 0; j < DP / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
         if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
-            store_output(p, o, softmax, row_lo, q4, tile.head, tile.batch);
+            store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
             continue;
         }
         mbar_wait(&sm.q_full, q_iter++ & 1);
@@ -314,7 +329,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (lane == 0) mbar_arrive(&sm.v_empty[s]);
             ++i;
         }
-        store_output(p, o, softmax, row_lo, q4, tile.head, tile.batch);
+        store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
     }
     if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
 }

@@ -6,9 +6,11 @@
 struct Fa3FwdParams {
     u16* o;
     float* lse;
+    const int* cu_seqlens_q;  // CUFLASH_VARLEN: (batch + 1) row offsets of the packed sequences
+    const int* cu_seqlens_k;
     i64 o_batch_stride, o_row_stride, o_head_stride;
-    i64 row_batch_stride, row_head_stride;  // of the LSE: (batch, heads, seqlen_q)
-    int batch, heads, kv_heads, seqlen_q, seqlen_k;
+    i64 row_batch_stride, row_head_stride;  // of the LSE: (batch, heads, seqlen_q), or (heads, total_q)
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;  // the longest lengths when CUFLASH_VARLEN
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
     float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
