@@ -244,7 +244,9 @@ _VARLEN_DOC = """
     ``max_seqlen_q`` / ``max_seqlen_k`` the longest lengths. The LSE is (heads, total_q). Masks apply
     per sequence (causal aligned bottom-right within each). ``validate=True`` copies the offsets to
     the host to check them (non-decreasing, within the arrays, within the maxima) — a synchronisation;
-    pass ``validate=False`` inside CUDA graphs or hot loops once the inputs are known good.
+    pass ``validate=False`` inside CUDA graphs or hot loops once the inputs are known good. The Hopper
+    kernel (FA3) reads K/V a whole tile at a time: rows of k and v after ``cu_seqlens_k[-1]``, if the
+    arrays have any, are multiplied by exactly zero but must hold finite numbers (0 × NaN is NaN).
 """
 
 
