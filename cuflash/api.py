@@ -349,7 +349,7 @@ def _kv_arrays(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_table=None,
                             cache_batch_idx=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=False,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_softmax_lse=False, check=True):
+                            return_softmax_lse=False, check=True, out=None, workspace=None):
     """Attention of new queries over a KV cache, appending new keys/values to the cache first (inference).
 
     Shapes (fp16 or bf16, last dimension contiguous, other strides free)::
@@ -396,10 +396,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     values that would read or write outside the arrays (cache_seqlens + seqlen_new beyond the cache, page
     numbers out of range, rotary positions past seqlen_ro) -- a synchronisation. Pass ``check=False``
     inside CUDA graphs and hot loops once the inputs are known good; wrong values then read or write
-    out of bounds. Shapes, dtypes and strides are always checked.
+    out of bounds. Shapes, dtypes and strides are always checked. With ``check=False`` the call reads no
+    device value on the host: ``num_splits=0`` is chosen from the shapes alone (the longest entry is
+    taken to fill the cache's capacity; see ``kvcache_num_splits``), so the call can be captured in a
+    CUDA graph, and the captured kernels read cache_seqlens / page_table / cache_batch_idx from device
+    memory on every replay (new values written in place are honoured).
+
+    ``out`` (optional): the output array, q's shape and dtype on q's device (last dimension contiguous,
+    other strides free, not overlapping q); written and returned instead of a new array.
+    ``workspace`` (optional): contiguous device memory (any dtype) of at least ``kvcache_workspace_bytes(
+    batch, heads, seqlen_q, headdim, num_splits, ...)`` bytes, for the scratch a call would otherwise
+    allocate: the fp32 LSE, the fp32 partial results of the KV splits, the rotated q and the device copy
+    of an int cache_seqlens. With both, the call allocates nothing, so a captured graph replays into
+    fixed addresses that the caller owns (serving engines allocate these once per batch size). Size the
+    workspace with the split count the call will use: ``num_splits`` when given, else
+    ``kvcache_num_splits(...)`` at the cache's capacity, an upper bound of what check=True picks. A
+    workspace that is too small is refused from the shapes alone. With ``return_softmax_lse=True`` the
+    returned lse is a view into the workspace.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_softmax_lse=True`` (lse fp32 (batch, heads,
     seqlen_q), -inf for rows that see no key, whose out is 0).
+
+    CUDA-graph capture (CuPy ``stream.begin_capture()`` / torch ``torch.cuda.graph``): call once eagerly
+    first (the first call of a variant compiles and loads it), then capture a ``check=False`` call,
+    ideally with ``out=`` and ``workspace=``; without them the outputs and scratch come from the current
+    allocator during capture and must stay reserved for the graph's lifetime (a private memory pool).
     """
     import cupy
 
@@ -408,6 +429,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     from .heuristics import DECODE_MAX_SPLITS, DECODE_TILES, decode_num_splits
 
     named = _kv_arrays(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin)
+    named += [(n, a) for n, a in (("out", out), ("workspace", workspace)) if a is not None]
     with Call(named) as call:
         spec = {s.name: s for s in call.specs}
         arr = {s.name: a for s, a in zip(call.specs, call.arrays)}
@@ -444,26 +466,89 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
                                        device_properties(call.device.id)["multiProcessorCount"])
         _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
+        if "out" in spec:
+            _validate.check_like(spec["out"], spec["q"])
+            if spec["out"].ptr == spec["q"].ptr:
+                raise ValueError("out must not be q itself (the kernels read q while out is written)")
+        rotary, int_seqlens = "rotary_cos" in arr, "cache_seqlens" not in arr
+        scratch = None
+        if "workspace" in spec:
+            layout, need = decode.workspace_layout(dims.batch, dims.seqlen_q, dims.heads, dims.headdim, splits,
+                                                   dims.dtype, rotary=rotary, seqlens_vector=int_seqlens)
+            decode.check_workspace(spec["workspace"], spec["q"], need, _workspace_parts(splits, rotary, int_seqlens))
+            scratch = decode.carve(arr["workspace"], layout, arr["q"].dtype)
+
+        def buffer(name, shape, dtype):  # from the workspace when there is one, else a new array
+            return scratch[name] if scratch is not None else cupy.empty(shape, dtype=dtype)
 
         qa = arr["q"]
         seqlens_dev = arr.get("cache_seqlens")
         if seqlens_dev is None:
-            seqlens_dev = cupy.full((dims.batch,), int(cache_seqlens), dtype=cupy.int32)
+            seqlens_dev = buffer("cache_seqlens", (dims.batch,), cupy.int32)
+            seqlens_dev.fill(int(cache_seqlens))
         pt, cbi = arr.get("page_table"), arr.get("cache_batch_idx")
         rc, rs = arr.get("rotary_cos"), arr.get("rotary_sin")
-        q_rot = cupy.empty(qa.shape, dtype=qa.dtype) if rc is not None else None
+        q_rot = buffer("q_rot", qa.shape, qa.dtype) if rotary else None
         if q_rot is not None or dims.seqlen_new:
             decode.append(qa, arr["k_cache"], arr["v_cache"], arr.get("k"), arr.get("v"), q_rot, seqlens_dev, pt, cbi,
                           rc, rs, dims, rotary_interleaved, q_step, call.stream)
-        out = cupy.empty(qa.shape, dtype=qa.dtype)
-        lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
+        out_arr = arr["out"] if "out" in arr else cupy.empty(qa.shape, dtype=qa.dtype)
+        lse = buffer("lse", (dims.batch, dims.heads, dims.seqlen_q), cupy.float32)
         o_part = lse_part = None
         if splits > 1:
-            o_part = cupy.empty((splits,) + qa.shape, dtype=cupy.float32)
-            lse_part = cupy.empty((splits, dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
-        decode.forward(qa if q_rot is None else q_rot, arr["k_cache"], arr["v_cache"], out, lse, seqlens_dev, pt, cbi,
-                       dims, window, scale, softcap, splits, call.stream, o_partial=o_part, lse_partial=lse_part)
-        return (call.wrap(out), call.wrap(lse)) if return_softmax_lse else call.wrap(out)
+            o_part = buffer("o_partial", (splits,) + qa.shape, cupy.float32)
+            lse_part = buffer("lse_partial", (splits, dims.batch, dims.heads, dims.seqlen_q), cupy.float32)
+        decode.forward(qa if q_rot is None else q_rot, arr["k_cache"], arr["v_cache"], out_arr, lse, seqlens_dev, pt,
+                       cbi, dims, window, scale, softcap, splits, call.stream, o_partial=o_part, lse_partial=lse_part)
+        result = out if out is not None else call.wrap(out_arr)
+        return (result, call.wrap(lse)) if return_softmax_lse else result
+
+
+def _workspace_parts(splits: int, rotary: bool, int_seqlens: bool) -> str:
+    parts = ["the fp32 LSE"]
+    if splits > 1:
+        parts.append(f"the fp32 partial results of {splits} KV splits")
+    if rotary:
+        parts.append("the rotated q")
+    if int_seqlens:
+        parts.append("cache_seqlens as an int32 vector")
+    return ", ".join(parts)
+
+
+def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, device=None) -> int:
+    """The number of KV splits ``flash_attn_with_kvcache(num_splits=0)`` uses on ``device`` (default: the
+    current one) for this call's sizes. ``max_keys``: the keys of the longest entry after the append --
+    with ``check=False`` the call takes the cache's capacity (k_cache.shape[1], or page_table.shape[1] x
+    page_size); with ``check=True`` max(cache_seqlens) + seqlen_new, never more than the capacity, and the
+    count never grows with fewer keys: the capacity's count bounds both (size workspaces with it)."""
+    from . import decode
+    from ._device import device_id, device_properties
+    from .heuristics import DECODE_TILES, decode_num_splits
+
+    if headdim not in DECODE_TILES:
+        raise ValueError(f"head dim {headdim} is not supported by flash_attn_with_kvcache "
+                         f"(supported: {sorted(DECODE_TILES)})")
+    if min(batch, heads, kv_heads, seqlen_q) < 1 or heads % kv_heads or max_keys < 0:
+        raise ValueError(f"kvcache_num_splits: need batch, heads, kv_heads, seqlen_q >= 1 with heads a multiple of "
+                         f"kv_heads and max_keys >= 0; got {batch}, {heads}, {kv_heads}, {seqlen_q}, {max_keys}")
+    dims = _validate.KvDims(batch, seqlen_q, heads, kv_heads, headdim, "bfloat16", 0, False, 0, batch, max_keys)
+    sms = device_properties(device_id() if device is None else device)["multiProcessorCount"]
+    return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms)
+
+
+def kvcache_workspace_bytes(batch, heads, seqlen_q, headdim, num_splits, *, dtype="bfloat16", rotary=False,
+                            int_cache_seqlens=False) -> int:
+    """Bytes of the ``workspace=`` a ``flash_attn_with_kvcache`` call with these sizes needs: q of shape
+    (batch, seqlen_q, heads, headdim) in ``dtype``, ``num_splits`` KV splits (the count the call uses:
+    the argument when nonzero, else ``kvcache_num_splits``), ``rotary`` when rotary_cos/sin are given,
+    ``int_cache_seqlens`` when cache_seqlens is a Python int. A larger workspace serves every smaller
+    call (fewer splits, smaller batch)."""
+    from . import decode
+
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+        raise ValueError(f"num_splits must be the split count the call uses (>= 1); got {num_splits!r}")
+    return decode.workspace_layout(batch, seqlen_q, heads, headdim, int(num_splits), _dtype_name(dtype),
+                                   rotary=rotary, seqlens_vector=int_cache_seqlens)[1]
 
 
 def flash_attn_combine(out_partial, lse_partial, *, out_dtype=None):

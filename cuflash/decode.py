@@ -60,6 +60,73 @@ COMBINE_PARAMS = np.dtype(
 )
 
 
+# ----------------------------------------------------------------------------------------------------
+# caller-provided scratch (flash_attn_with_kvcache(workspace=...)): no allocation inside a captured call
+
+WORKSPACE_ALIGN = 256  # every part starts 256 bytes after the previous one's start, rounded up
+_ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    return size if size is not None else np.dtype(dtype).itemsize
+
+
+def workspace_layout(batch: int, seqlen_q: int, heads: int, headdim: int, num_splits: int, dtype: str, *,
+                     rotary: bool = False, seqlens_vector: bool = False):
+    """The scratch arrays one decode call needs, carved in this order from a workspace buffer:
+    ``[(name, byte offset, shape, dtype name)]`` and the total bytes.
+
+    * ``lse`` float32 (batch, heads, seqlen_q): always (the kernels write it; returned with
+      return_softmax_lse=True);
+    * ``o_partial`` float32 (num_splits, batch, seqlen_q, heads, headdim) and ``lse_partial`` float32
+      (num_splits, batch, heads, seqlen_q): when num_splits > 1;
+    * ``q_rot`` (q's shape and dtype): with rotary_cos/sin;
+    * ``cache_seqlens`` int32 (batch,): when cache_seqlens is a Python int.
+    """
+    parts = [("lse", (batch, heads, seqlen_q), "float32")]
+    if num_splits > 1:
+        parts += [("o_partial", (num_splits, batch, seqlen_q, heads, headdim), "float32"),
+                  ("lse_partial", (num_splits, batch, heads, seqlen_q), "float32")]
+    if rotary:
+        parts.append(("q_rot", (batch, seqlen_q, heads, headdim), dtype))
+    if seqlens_vector:
+        parts.append(("cache_seqlens", (batch,), "int32"))
+    layout, offset = [], 0
+    for name, shape, dt in parts:
+        layout.append((name, offset, shape, dt))
+        offset += -(-math.prod(shape) * _itemsize(dt) // WORKSPACE_ALIGN) * WORKSPACE_ALIGN
+    return layout, offset
+
+
+def check_workspace(ws, q, need: int, what: str) -> None:
+    """``ws`` (a Spec): contiguous device memory on q's device, 16-byte aligned, at least ``need`` bytes.
+    Only shapes are read (no synchronisation)."""
+    strides, acc = [], 1
+    for n in reversed(ws.shape):
+        strides.append(acc)
+        acc *= n
+    if any(n > 1 and s != want for n, s, want in zip(ws.shape, ws.strides, reversed(strides))):
+        raise ValueError(f"workspace must be contiguous; got shape {tuple(ws.shape)} with strides {tuple(ws.strides)} "
+                         "in elements")
+    if ws.ptr % 16:
+        raise ValueError(f"workspace must start at a 16-byte aligned address; got {ws.ptr:#x}")
+    if ws.device != q.device:
+        raise ValueError(f"workspace is on CUDA device {ws.device} but q is on device {q.device}")
+    have = math.prod(ws.shape) * _itemsize(ws.dtype)
+    if have < need:
+        raise ValueError(f"workspace holds {have} bytes but this call needs {need} ({what}); size it with "
+                         "cuflash.api.kvcache_workspace_bytes(...)")
+
+
+def carve(ws, layout, q_dtype) -> dict:
+    """CuPy views of ``layout``'s parts inside the CuPy array ``ws`` (q_rot takes q's dtype)."""
+    import cupy
+
+    return {name: cupy.ndarray(shape, dtype=q_dtype if name == "q_rot" else dt, memptr=ws.data + offset)
+            for name, offset, shape, dt in layout}
+
+
 def fwd_smem_bytes(headdim: int) -> int:
     t = DECODE_TILES[headdim]
     return DECODE_BLOCK_M * headdim * 2 + 2 * t.stages * t.block_n * headdim * 2

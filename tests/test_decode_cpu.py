@@ -248,6 +248,32 @@ kv("num_splits", "above_max", ValueError, ["num_splits must be in [0, 128]", "12
 kv("num_splits", "type_float", TypeError, ["num_splits must be an int", "float"], num_splits=2.0)
 kv("num_splits", "type_bool", TypeError, ["num_splits must be an int", "bool"], num_splits=True)
 kv("check", "type_int", TypeError, ["check must be a bool", "int"], check=1)
+# --- out / workspace (caller-provided buffers: a captured graph replays without allocating) -------------
+OUT_PTR, WS_PTR = 0x20000, 0x40000
+kv("out", "shape_differs_from_q", ValueError, ["out must have the shape of q (2, 1, 8, 128)", "(2, 1, 8, 64)"],
+   out=spec((B, SQ, H, 64), ptr=OUT_PTR))
+kv("out", "dtype_differs_from_q", TypeError, ["out must have the dtype of q (bfloat16)", "float16"],
+   out=spec((B, SQ, H, D), "float16", ptr=OUT_PTR))
+kv("out", "float32", TypeError, ["out must be float16 or bfloat16", "float32"], out=spec((B, SQ, H, D), "float32",
+                                                                                      ptr=OUT_PTR))
+kv("out", "headdim_not_contiguous", ValueError, ["out's last dimension (headdim) must be contiguous"],
+   out=spec((B, SQ, H, D), strides=(2 * SQ * H * D, 2 * H * D, 2 * D, 2), ptr=OUT_PTR))
+kv("out", "other_device", ValueError, ["out is on CUDA device 1 but q is on device 0"],
+   out=spec((B, SQ, H, D), device=1, ptr=OUT_PTR))
+kv("out", "is_q", ValueError, ["out must not be q itself"], out=spec((B, SQ, H, D)))
+kv("workspace", "too_small", ValueError, ["workspace holds 100 bytes but this call needs 256", "the fp32 LSE",
+                                          "kvcache_workspace_bytes"], workspace=spec((100,), "uint8", ptr=WS_PTR))
+kv("workspace", "too_small_for_splits", ValueError, ["needs 33280", "partial results of 4 KV splits"], num_splits=4,
+   workspace=spec((33279,), "uint8", ptr=WS_PTR))
+kv("workspace", "too_small_for_rotary_and_int_seqlens", ValueError,
+   ["the rotated q", "cache_seqlens as an int32 vector"], rotary=True, cache_seqlens=7, num_splits=1,
+   workspace=spec((64, 2), "float32", ptr=WS_PTR))
+kv("workspace", "not_contiguous", ValueError, ["workspace must be contiguous", "strides (2,)"],
+   workspace=spec((4096,), "uint8", strides=(2,), ptr=WS_PTR))
+kv("workspace", "unaligned", ValueError, ["workspace must start at a 16-byte aligned address", "0x40008"],
+   workspace=spec((4096,), "uint8", ptr=WS_PTR + 8))
+kv("workspace", "other_device", ValueError, ["workspace is on CUDA device 1 but q is on device 0"],
+   workspace=spec((4096,), "uint8", device=1, ptr=WS_PTR))
 # --- sizes and the GPU ----------------------------------------------------------------------------------
 kv("headdim", "96_unsupported", ValueError, ["flash_attn_with_kvcache cannot run this call", "head dim 96"],
    d=96)
@@ -298,7 +324,7 @@ def _host_call(fn_name, bad_arg, bad):
     return _call(fn_name, args)
 
 
-for arg in ("q", "k_cache", "v_cache", "k", "cache_seqlens", "page_table", "rotary_cos"):
+for arg in ("q", "k_cache", "v_cache", "k", "cache_seqlens", "page_table", "rotary_cos", "out", "workspace"):
     host = np.zeros((B, 4), np.int32 if arg in ("cache_seqlens", "page_table") else np.float16)
     CASES.append(Case(KV, arg, "numpy_host_array", "host", _host_call(KV, arg, host), TypeError,
                       (f"{arg} must live in CUDA device memory", "numpy.ndarray")))
@@ -358,7 +384,24 @@ def spec_env(monkeypatch):
     monkeypatch.setattr(decode, "append", record("append", False))
     monkeypatch.setattr(decode, "forward", record("forward", True))
     monkeypatch.setattr(decode, "combine", record("combine", True))
+
+    def carve(ws, layout, q_dtype):  # stand-ins for the views into the workspace
+        state["carved"] = layout
+        return {name: Carved(name, offset, shape, dt, ws.ptr + offset) for name, offset, shape, dt in layout}
+
+    monkeypatch.setattr(decode, "carve", carve)
     return state
+
+
+class Carved(NamedTuple):
+    name: str
+    offset: int
+    shape: tuple
+    dtype: str
+    ptr: int
+
+    def fill(self, value):
+        pass
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -406,6 +449,13 @@ GOOD = [
     # check=False: values that check=True refuses get through (the CUDA-graph path)
     ("decode-unchecked-values", KV, kv_args(paged=True, check=False, cache_seqlens=vals((500, -3)),
                                             page_table=vals([[99] * MAXP, [-5] * MAXP])), None),
+    # caller-provided out and workspace (a captured graph then replays without allocating)
+    ("decode-out-and-workspace", KV, kv_args(out=spec((B, SQ, H, D), ptr=OUT_PTR),
+                                             workspace=spec((256,), "uint8", ptr=WS_PTR)), 1),
+    ("decode-out-strided", KV, kv_args(out=spec((B, SQ, H, D), strides=(SQ * H * 2 * D, H * 2 * D, 2 * D, 1),
+                                                ptr=OUT_PTR)), None),
+    ("decode-workspace-splits-rotary-int-seqlens", KV,
+     kv_args(rotary=True, num_splits=4, cache_seqlens=7, workspace=spec((1 << 20,), "float32", ptr=WS_PTR)), 4),
     ("combine-default", CB, combine_args(), None),
     ("combine-bf16-one-split", CB, dict(combine_args(ns=1), out_dtype="bfloat16"), None),
 ]
@@ -426,6 +476,95 @@ def test_good_calls_reach_the_kernel(spec_env, what, fn, args, splits):
     if splits is not None:
         assert num_splits == splits
     assert (fwd_kwargs["o_partial"] is None) == (num_splits == 1)
+
+
+def test_out_and_workspace_reach_the_kernels(spec_env):
+    """out= is the array the kernels write; the scratch comes from the workspace at 256-byte aligned offsets."""
+    out = spec((B, SQ, H, D), ptr=OUT_PTR)
+    args = kv_args(paged=True, rotary=True, num_splits=3, out=out, workspace=spec((1 << 16,), "uint8", ptr=WS_PTR))
+    with pytest.raises(_ReachedKernel):
+        _call(KV, args)()
+    (_, app_args, _), (_, fwd_args, fwd_kwargs) = spec_env["launches"]
+    layout = {name: (offset, shape, dt) for name, offset, shape, dt in spec_env["carved"]}
+    assert list(layout) == ["lse", "o_partial", "lse_partial", "q_rot"]
+    assert layout["lse"] == (0, (B, H, SQ), "float32")
+    assert layout["o_partial"] == (256, (3, B, SQ, H, D), "float32")
+    assert layout["lse_partial"] == (256 + 3 * B * SQ * H * D * 4, (3, B, H, SQ), "float32")
+    assert layout["q_rot"][1:] == ((B, SQ, H, D), "bfloat16") and layout["q_rot"][0] % 256 == 0
+    assert fwd_args[3].name == "out" and fwd_args[3].ptr == OUT_PTR  # the caller's out, not a new array
+    assert fwd_args[4].name == "lse" and fwd_args[0].name == "q_rot" and app_args[5].name == "q_rot"
+    assert fwd_kwargs["o_partial"].name == "o_partial" and fwd_kwargs["lse_partial"].name == "lse_partial"
+    assert all(c.ptr % 16 == 0 for c in (fwd_args[4], fwd_kwargs["o_partial"], fwd_kwargs["lse_partial"]))
+
+
+def test_out_is_returned_as_given(spec_env, monkeypatch):
+    """Without a workspace the call still writes into (and returns) the caller's out."""
+    monkeypatch.setattr(decode, "forward", lambda *a, **k: spec_env["launches"].append(("forward", a, k)))
+    out = spec((B, SQ, H, D), ptr=OUT_PTR)
+    res, lse = _call(KV, kv_args(new=0, num_splits=1, out=out, return_softmax_lse=True))()
+    assert res.ptr == OUT_PTR and res.shape == out.shape
+    assert spec_env["launches"][-1][1][3].ptr == OUT_PTR
+
+
+class _NoHostCopy(ValSpec):
+    def get(self):
+        raise AssertionError("check=False read a device value on the host")
+
+
+def _no_host(v: ValSpec) -> _NoHostCopy:
+    return _NoHostCopy(**{f.name: getattr(v, f.name) for f in dataclasses.fields(ValSpec)})
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_unchecked_call_reads_nothing_on_the_host(spec_env, paged):
+    """check=False (the CUDA-graph path) never copies a device value to the host (cupy.asnumpy, .get(), int()
+    of a device scalar): num_splits=0 comes from the shapes, with the capacity as the longest entry."""
+    import cupy  # the fixture's MagicMock
+
+    args = kv_args(paged=paged, check=False, new=0, cache_batch_idx=None if paged else _no_host(vals((1, 0))))
+    args["cache_seqlens"] = _no_host(args["cache_seqlens"])
+    if paged:
+        args["page_table"] = _no_host(args["page_table"])
+    with pytest.raises(_ReachedKernel):
+        _call(KV, args)()
+    assert not cupy.asnumpy.called and not cupy.ndarray.get.called
+    capacity = MAXP * PAGE if paged else CACHE
+    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132)
+    assert spec_env["launches"][-1][1][12] == want
+
+
+def test_kvcache_num_splits_is_the_call_s_choice_and_bounds_it(spec_env):
+    """kvcache_num_splits gives what num_splits=0 picks; at the capacity it bounds every check=True choice
+    (the heuristic never splits more for fewer keys), so a workspace sized with it always fits."""
+    for b, h, hkv, sq, keys in ((1, 32, 8, 1, 32768), (16, 32, 8, 1, 8192), (128, 32, 8, 1, 2048), (2, 8, 2, 5, 100)):
+        got = api.kvcache_num_splits(b, h, hkv, sq, D, keys, device=0)
+        mb = -(-(h // hkv) * sq // heuristics.DECODE_BLOCK_M)
+        assert got == heuristics.decode_num_splits(b, hkv, mb, keys, heuristics.DECODE_TILES[D].block_n, 132)
+        assert all(api.kvcache_num_splits(b, h, hkv, sq, D, k, device=0) <= got for k in range(0, keys + 1, 97))
+    assert api.kvcache_num_splits(1, 32, 8, 1, 128, 32768, device=0) > 1  # batch 1 at 32k splits
+    with pytest.raises(ValueError, match="head dim 96"):
+        api.kvcache_num_splits(1, 8, 2, 1, 96, 100, device=0)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        api.kvcache_num_splits(1, 8, 3, 1, 128, 100, device=0)
+
+
+def test_kvcache_workspace_bytes():
+    lse = B * H * SQ * 4
+    assert api.kvcache_workspace_bytes(B, H, SQ, D, 1) == 256  # lse alone, rounded up to 256 bytes
+    split = -(-4 * B * SQ * H * D * 4 // 256) * 256 + 256
+    assert api.kvcache_workspace_bytes(B, H, SQ, D, 4) == 256 + split
+    q_rot = B * SQ * H * D * 2
+    assert api.kvcache_workspace_bytes(B, H, SQ, D, 1, rotary=True, int_cache_seqlens=True) == 256 + q_rot + 256
+    assert api.kvcache_workspace_bytes(B, H, SQ, D, 1, dtype="float16", rotary=True) == 256 + q_rot
+    big = api.kvcache_workspace_bytes(128, 32, 1, 128, 8)
+    assert big >= 8 * 128 * 32 * 128 * 4 + 8 * 128 * 32 * 4 + lse  # larger calls need more
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="split count"):
+            api.kvcache_workspace_bytes(B, H, SQ, D, bad)
+    layout, total = decode.workspace_layout(3, 2, 5, 64, 7, "bfloat16", rotary=True, seqlens_vector=True)
+    ends = [off + int(np.prod(shape)) * (2 if dt == "bfloat16" else 4) for _, off, shape, dt in layout]
+    assert all(off % decode.WORKSPACE_ALIGN == 0 for _, off, _, _ in layout)
+    assert all(end <= nxt for end, (_, nxt, _, _) in zip(ends, layout[1:])) and ends[-1] <= total
 
 
 def test_auto_splits_use_the_heuristic(spec_env):
