@@ -33,15 +33,26 @@ PARAMS = np.dtype(
 )
 
 
+MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have on sm_90
+
+
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
     t = FA3_TILES[headdim]
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
     q_bytes, kv_bytes = BLOCK_M * padded * 2, t.block_n * padded * 2
     smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
+    # O staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a sequence's end
+    # fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
+    store_o_tma = not varlen and smem + q_bytes <= MAX_SMEM
+    if store_o_tma:
+        smem += q_bytes
+    else:
+        smem += 16 + 1024  # the unused 16-byte placeholder, aligned
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
-         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen))),
+         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
+         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -80,6 +91,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     cu_q, cu_k = cu_seqlens or (None, None)
     variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None)
     map_q, map_k, map_v = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
+    map_o = _tensor_map(out, BLOCK_M // 2)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
@@ -90,7 +102,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
-    launch(variant, grid, (map_q, map_k, map_v, p), stream)
+    launch(variant, grid, (map_q, map_k, map_v, map_o, p), stream)
 
 
 def _sm_count() -> int:

@@ -16,7 +16,7 @@
 // (common/hopper.cuh). Not yet: a TMA-store epilogue (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
-// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1).
+// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_STORE_O_TMA (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -34,6 +34,12 @@ constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;  // packed (total, heads, d) inputs, sequences found by cu_seqlens
+// The epilogue stages O in shared memory and stores it with TMA (whole 128-byte rows, asynchronous: the
+// warpgroup moves on to its next tile) where shared memory allows (cuflash/fa3.py decides: not at
+// d = 256) and rows past a sequence's end fall out of bounds (not in packed batches, where they are the
+// next sequence's rows); otherwise each thread stores its registers.
+constexpr bool STORE_O_TMA = CUFLASH_STORE_O_TMA;
+static_assert(!(STORE_O_TMA && VARLEN), "packed batches store O from registers");
 constexpr int ATOMS = DP / 64;  // 64-column atoms per row
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
@@ -45,12 +51,16 @@ struct Smem {
     alignas(1024) unsigned char q[Q_BYTES];             // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char k[STAGES][KV_BYTES];    // ATOMS atoms of [BN][64]
     alignas(1024) unsigned char v[STAGES][KV_BYTES];
+    alignas(1024) unsigned char o[STORE_O_TMA ? Q_BYTES : 16];  // per consumer: ATOMS atoms of [64][64]
     u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
+// The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.
+static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
 // Pingpong: consumer c waits on named barrier PINGPONG_BAR + c before issuing its GEMMs and, once they
 // are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
 constexpr int PINGPONG_BAR = 1;
+constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer warpgroup
 __device__ __forceinline__ void wait_my_turn(int c) { named_sync(PINGPONG_BAR + c, 256); }
 __device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR + (c ^ 1), 256); }
 
@@ -175,6 +185,41 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
     }
 }
 
+// The TMA-store epilogue of one consumer warpgroup: O / l to its 64-row slice of sm.o in the 128-byte
+// swizzle the tensor map expects (16-byte chunk c of row r at chunk c ^ (r % 8): each warp's stores hit
+// 32 different banks), then one thread stores the ATOMS boxes of 64 x 64. The previous tile's store must
+// have finished reading the buffer first. The LSE goes from registers as in store_output.
+__device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const TensorMap* map_o, unsigned char* o_smem,
+                                                 const float (&o)[DP / 2], const OnlineSoftmax& sm, int c, int t,
+                                                 int m64, int head, int batch) {
+    const int w = t / 32, g = (t % 32) / 4, q4 = t % 4;
+    if (t == 0) tma_store_wait_read();
+    named_sync(EPILOGUE_BAR + c, 128);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * w + g + 8 * r;  // within the warpgroup's 64 rows
+        const float l = quad_sum(sm.row_sum[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+        for (int j = 0; j < DP / 8; ++j) {
+            unsigned char* atom = o_smem + (j / 8) * 64 * 128;
+            *reinterpret_cast<u32*>(atom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * q4) =
+                elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        }
+        const int global_row = m64 * 64 + row;
+        if (q4 == 0 && global_row < p.seqlen_q)
+            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
+                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+    }
+    fence_async_smem();
+    named_sync(EPILOGUE_BAR + c, 128);
+    if (t == 0) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) tma_store_4d(map_o, o_smem + a * 64 * 128, a * 64, m64 * 64, head, batch);
+        tma_store_commit();
+    }
+}
+
 // This tile's sequence: its lengths and, in a packed batch, its first rows (common/seqlen.cuh).
 __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
     return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
@@ -183,7 +228,7 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
-            const __grid_constant__ TensorMap map_v, const Fa3FwdParams p) {
+            const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_o, const Fa3FwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
 
@@ -329,7 +374,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (lane == 0) mbar_arrive(&sm.v_empty[s]);
             ++i;
         }
-        store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
+        if constexpr (STORE_O_TMA)
+            store_output_tma(p, &map_o, sm.o + c * (Q_BYTES / 2), o, softmax, c, t, m64, tile.head, tile.batch);
+        else
+            store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
     }
     if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
+    if (STORE_O_TMA && t == 0) tma_store_wait_read();  // shared memory must outlive the last store's reads
 }
