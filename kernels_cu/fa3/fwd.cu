@@ -13,7 +13,7 @@
 //     - between the two warpgroups ("pingpong"), a pair of named barriers makes them take turns issuing
 //       their GEMMs, so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
 // Tiles in shared memory are 64-column atoms with the 128-byte swizzle that TMA writes and wgmma reads
-// (common/hopper.cuh). Not yet: a TMA-store epilogue (bench/NOTES.md).
+// (common/hopper.cuh). The epilogue stores O through shared memory with TMA where it can (STORE_O_TMA).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_STORE_O_TMA (0/1).
