@@ -4,7 +4,8 @@ output element the kernels never write fails. Covers contiguous and paged caches
 256), ragged cache lengths with 0 and 1, the in-place append, rotary (GPT-NeoX and GPT-J, partial
 rotary_dim), seqlen_q > 1 causal (bottom-right, rows that see nothing), window, softcap, GQA groups
 larger than one 16-row block, unsplit / forced / automatic splits, cache_batch_idx, an int cache_seqlens,
-check=False, fp16, and the combine on its own."""
+check=False, fp16, the combine on its own, and a check=False step with out= / workspace= captured in a CUDA
+graph and replayed after new cache lengths are written in place."""
 import numpy as np
 import pytest
 
@@ -245,3 +246,119 @@ def test_combine_of_split_decode_matches_unsplit(poison_allocations):
     o_low, _, _, _ = ref.kvcache_attention_ref(q, kc, vc, cache_seqlens=n, lowp=True)
     ref.check_close("out", out, o_ref, o_low)
     ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs: a check=False decode step with out= and workspace= captured once, replayed after new
+# cache_seqlens (and new q / k / v) are written in place
+# ----------------------------------------------------------------------------------------------------
+
+def _refuse_allocation(size):
+    raise AssertionError(f"flash_attn_with_kvcache allocated {size} bytes with out= and workspace= given")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("forced_splits", [0, 1])
+def test_graph_capture_and_replay(poison_allocations, paged, forced_splits):
+    """Capture (CuPy stream capture) a decode step that appends one token and attends, with caller-owned
+    out and workspace: the capture allocates nothing (an allocator that raises is installed during it)
+    and reads nothing on the host (check=False). Then, for new cache lengths (including 0) and new q/k/v
+    written in place, each replay must equal an eager call bit for bit (same kernels, same split count)
+    and the fp32 reference by FlashAttention's rule. ``out`` is poisoned (NaN) before each replay."""
+    import cupy
+
+    rng = np.random.default_rng()
+    b, h, hkv, d, new = 3, 8, 2, 128, 1
+    lens0 = (5, 300, 1000)
+    trials = [lens0, (0, 17, 1500), (64, 1, 2040)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = _inputs(rng, dtype="bfloat16", paged=paged, page_size=16, b=b, sq=1, h=h, hkv=hkv, d=d,
+                       lens=(0, 0, max(max(t) for t in trials)), new=new)
+        if paged:  # every entry may grow to the longest trial: give each its pages (a permutation)
+            pages = args["k_cache"].shape[0]
+            per = args["page_table"].shape[1]
+            args["page_table"] = cupy.asarray(rng.permutation(pages)[: b * per].reshape(b, per).astype(np.int32))
+            capacity = per * 16
+        else:
+            capacity = args["k_cache"].shape[1]
+        seqlens = cupy.asarray(np.asarray(lens0, np.int32))
+        q, kc, vc, k, v = args["q"], args["k_cache"], args["v_cache"], args["k"], args["v"]
+        pt = args.get("page_table")
+        splits = forced_splits or cuflash.api.kvcache_num_splits(b, h, hkv, 1, d, capacity)
+        out = cupy.empty_like(q)
+        ws = cupy.empty(cuflash.api.kvcache_workspace_bytes(b, h, 1, d, splits), dtype=cupy.uint8)
+
+        def step():
+            return cuflash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, page_table=pt,
+                                                   num_splits=forced_splits, check=False, out=out, workspace=ws,
+                                                   return_softmax_lse=True)
+
+        step()  # compile and load outside the capture
+        stream.synchronize()
+        with cupy.cuda.using_allocator(_refuse_allocation):
+            stream.begin_capture()
+            try:
+                out_g, lse_g = step()
+            except BaseException:
+                try:
+                    stream.end_capture()
+                except Exception:  # noqa: BLE001 - the original error matters
+                    pass
+                raise
+            graph = stream.end_capture()
+        assert out_g is out and not stream.is_capturing()
+
+        for trial, lens in enumerate(trials):
+            if trial:  # new values in place: the graph holds pointers, not values
+                seqlens[...] = cupy.asarray(np.asarray(lens, np.int32))
+                q[...] = _rand(rng, q.shape, "bfloat16")
+                k[...] = _rand(rng, k.shape, "bfloat16")
+                v[...] = _rand(rng, v.shape, "bfloat16")
+            kc0, vc0 = kc.copy(), vc.copy()
+            out.view(cupy.uint16).fill(0xFFFF)  # NaN: an element the replay does not write fails below
+            graph.launch(stream)
+            got_o, got_l = out.copy(), lse_g.copy()
+            kc1, vc1 = kc.copy(), vc.copy()
+            # eager, checked, same split count: appends the same k/v again (the same bytes) and attends
+            want_o, want_l = cuflash.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, page_table=pt,
+                                                             num_splits=splits, return_softmax_lse=True)
+            stream.synchronize()
+            assert bool((got_o.view("uint16") == want_o.view("uint16")).all()), f"trial {trial}: out differs"
+            assert bool(((got_l == want_l) | (cupy.isnan(got_l) & cupy.isnan(want_l))).all()), f"trial {trial}: lse"
+            assert bool((kc1.view("uint16") == kc.view("uint16")).all()), f"trial {trial}: append not idempotent"
+            ref_args = dict(q=q, k_cache=kc0, v_cache=vc0, k=k, v=v, cache_seqlens=seqlens)
+            if pt is not None:
+                ref_args["page_table"] = pt
+            o_ref, lse_ref, kc_ref, vc_ref = ref.kvcache_attention_ref(**ref_args)
+            o_low, _, _, _ = ref.kvcache_attention_ref(**ref_args, lowp=True)
+            ref.check_close("out", got_o, o_ref, o_low)
+            ref.check_close("lse", got_l, lse_ref, lse_ref, atol=2e-3)
+            assert bool((vc1.view("uint16") == vc_ref.view("uint16")).all()), f"trial {trial}: v_cache after replay"
+
+
+def test_checked_call_refused_during_capture():
+    """check=True copies cache_seqlens to the host; during capture CuPy refuses that copy with a RuntimeError
+    before issuing it, so the capture stays usable and the stream works afterwards."""
+    import cupy
+
+    rng = np.random.default_rng()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        args = _inputs(rng, dtype="bfloat16", paged=False, page_size=0, b=2, sq=1, h=8, hkv=2, d=128, lens=(3, 90),
+                       new=0)
+        call = dict(args)
+        q, kc, vc = call.pop("q"), call.pop("k_cache"), call.pop("v_cache")
+        cuflash.flash_attn_with_kvcache(q, kc, vc, **call)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="captur"):
+                cuflash.flash_attn_with_kvcache(q, kc, vc, **call)
+        finally:
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001 - only the capture state matters below
+                pass
+        assert not stream.is_capturing()
+        _run(args, num_splits=0)  # usable afterwards
