@@ -8,6 +8,10 @@ One run measures, on the same GPU and in the same process:
 * the peers found here: torch SDPA backends (``torch-flash``, ``torch-cudnn``, ``torch-efficient``,
   ``torch-math``), ``flash_attn``, ``flashinfer`` and the materialised ``naive`` attention.
 
+``--suite decode`` measures one decoding step instead (``flash_attn_with_kvcache``, Sq = 1, 32 query / 8
+KV heads): TB/s of K/V read against the copy ceiling, GPU time from CUDA-graph replays, the host cost of
+an eager call separately (``host_us``), contiguous and paged caches (see ``DecodeCase``).
+
 Shapes follow the FlashAttention benchmark: ``total_tokens`` tokens in total (batch = total // N) and a
 model width ``hidden`` (heads = hidden // d). Each (headdim, causal) sweep gives one table: median time,
 TFLOP/s, % of the matmul ceiling, speed-up of the cuflash rows over each peer, max error against an exact
@@ -41,10 +45,15 @@ REQUIRED_KEYS = (
     "suite", "impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal",
     "ms", "tflops", "tbps", "pct_of_ceiling", "speedup_vs", "max_err", "error", "extra_mem_bytes",
     "gpu", "env",
+    # decode suite (null elsewhere): page_size 0 = contiguous cache; num_splits: the KV splits cuflash's
+    # heuristic chose (null for peers); host_us: host wall time of one eager call (calls not synchronised);
+    # note: how a row was measured when it differs (K/V expanded for GQA, timed without a graph, ...)
+    "page_size", "num_splits", "host_us", "note",
 )
 
 #: Keys that identify the same measurement across two runs (``--compare``).
-MATCH_KEYS = ("suite", "impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal")
+MATCH_KEYS = ("suite", "impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal",
+              "page_size")
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -58,6 +67,19 @@ SLOW_PEERS = {"torch-math": 4096}
 FULL_DEFAULTS = dict(headdims=[64, 128, 256], seqlens=[512, 1024, 2048, 4096, 8192, 16384],
                      total_tokens=16384, hidden=2048, warmup=5, reps=30)
 QUICK_DEFAULTS = dict(headdims=[64, 128], seqlens=[256, 1024], total_tokens=2048, hidden=2048, warmup=1, reps=3)
+
+# Decode suite: (batch, cache length) pairs at Sq = 1, bf16, 32 query heads over 8 KV heads (GQA 4), d = 128;
+# every cuflash shape also on paged caches of these page sizes. K/V of the full shapes is 128 MB (1 x 32k)
+# to 1 GiB (128 x 2k); --quick is a smoke run whose caches (16 MB) stay in L2.
+DECODE_HEADS, DECODE_KV_HEADS = 32, 8
+DECODE_FULL_DEFAULTS = dict(headdims=[128], decode_shapes=[(1, 32768), (16, 8192), (64, 4096), (128, 2048)],
+                            page_sizes=[1, 16, 64, 256], warmup=10, reps=100)
+DECODE_QUICK_DEFAULTS = dict(headdims=[128], decode_shapes=[(1, 4096), (8, 1024)], page_sizes=[1, 16, 64, 256],
+                             warmup=2, reps=5)
+#: Peers of the decode suite (when importable), in table order.
+DECODE_PEERS = ("torch-cudnn", "torch-flash", "flash_attn", "flashinfer")
+#: The spin kernel queued ahead of the timed decode calls (see ``time_queued``), in milliseconds.
+SPIN_MS = 20.0
 
 #: Seconds of timed calls one measurement may take before its repetitions are cut (to at least MIN_REPS).
 TIME_BUDGET_S = 3.0
@@ -130,9 +152,12 @@ class Shape:
     seqlen_k: int
     headdim: int
     causal: bool
+    page_size: int | None = None  # decode suite: 0 = contiguous cache, else the page size; None elsewhere
 
     @property
     def label(self) -> str:
+        if self.page_size is not None:  # decode: batch x cache length
+            return f"{self.batch}×{self.seqlen_k}" + (f" page {self.page_size}" if self.page_size else "")
         return f"{self.batch}×{self.seqlen_q}×{self.heads}"
 
 
@@ -156,7 +181,20 @@ SUITES = {
                      lambda s: flops_attention(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.headdim, s.causal, "fwd")),
     "backward": Suite("backward", "bwd", "tflops", "bf16_matmul_tflops",
                       lambda s: flops_attention(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.headdim, s.causal, "bwd")),
+    "decode": Suite("decode", "decode", "tbps", "copy_tbps", lambda s: decode_bytes(s)),
 }
+
+
+def decode_bytes(shape: Shape, itemsize: int = 2) -> float:
+    """Bytes of K and V one decode step must read: batch x cache length x kv_heads x d x 2 bytes, for K and
+    for V (q, out and the page table are negligible next to it). The same count for every implementation,
+    so TB/s ratios are time ratios even where a peer reads more (K/V expanded for GQA)."""
+    return float(shape.batch * shape.seqlen_k * shape.kv_heads * shape.headdim * itemsize * 2)
+
+
+def decode_shapes(headdim: int, pairs) -> list[Shape]:
+    """The decode suite's shapes for one head dim: (batch, cache length) pairs, Sq = 1, GQA 32/8."""
+    return [Shape(b, DECODE_HEADS, DECODE_KV_HEADS, 1, n, headdim, False, page_size=0) for b, n in pairs]
 
 
 class Case:
@@ -218,6 +256,44 @@ class Case:
                 return this
             err = max(err, this)
         return err
+
+
+class DecodeCase(Case):
+    """One decode shape: q (batch, 1, heads, d) and a contiguous cache K, V (batch, cache_len, kv_heads, d)
+    holding cache_len keys in every entry (``seqlens``, int32 on the GPU: no new tokens are appended, so
+    every implementation does the same read-only attention). Paged copies of the same keys are built on
+    demand (``paged``), with the pages in a random order, so all rows share one reference: the exact fp32
+    attention of batch entry 0, first GQA group (``Case.reference``).
+
+    L2: the timed replays read the same cache again and again, but the full shapes' K/V (128 MB at 1 x 32k,
+    up to 1 GiB at 128 x 2k) is well beyond the H200's 50 MB L2, so each replay streams it from HBM and no
+    flush or rotation is needed; only --quick (16 MB) runs from L2, and it is a smoke test, not a number.
+    """
+
+    def __init__(self, shape: Shape, dtype: str, seed: int = 0):
+        import cupy
+
+        super().__init__(dataclasses.replace(shape, page_size=0), dtype, "fwd", seed)
+        self.seed = seed
+        self.seqlens = cupy.full((shape.batch,), shape.seqlen_k, dtype=cupy.int32)
+
+    def paged(self, page_size: int):
+        """(k_pages, v_pages, page_table) with the keys of ``k``/``v``: entry b's page j (keys j·P .. j·P + P - 1)
+        is page page_table[b, j] of (num_pages, P, kv_heads, d), the pages a random permutation."""
+        import cupy
+
+        s = self.shape
+        if s.seqlen_k % page_size:
+            raise ValueError(f"page size {page_size} does not divide the cache length {s.seqlen_k}")
+        per_entry = s.seqlen_k // page_size
+        pages = s.batch * per_entry
+        perm = cupy.random.default_rng(self.seed + page_size).permutation(pages).astype(cupy.int32)
+        out = []
+        for x in (self.k, self.v):
+            paged = cupy.empty((pages, page_size, s.kv_heads, s.headdim), dtype=x.dtype)
+            paged[perm] = x.reshape(pages, page_size, s.kv_heads, s.headdim)
+            out.append(paged)
+        return out[0], out[1], perm.reshape(s.batch, per_entry)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -376,10 +452,131 @@ def detect_peers() -> list[str]:
     return peers + ["naive"]
 
 
-def default_impls() -> list[str]:
+def default_impls(suite: str = "prefill") -> list[str]:
+    if suite == "decode":
+        return ["cuflash-decode"] + [p for p in DECODE_PEERS if p in detect_peers()]
     from .api import available_impls
 
     return [f"cuflash-{impl}" for impl in available_impls()] + detect_peers()
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode implementations: name -> factory(case, page_size) -> DecodeTimed
+# ----------------------------------------------------------------------------------------------------
+
+class DecodeTimed(NamedTuple):
+    fn: Callable[[], tuple]      # one eager decode call; returns (out,) as (batch, 1, heads, d)
+    graph: str                   # how to capture it: "cupy" (stream capture) or "torch" (torch.cuda.graph)
+    note: str | None = None      # goes to the row (e.g. K/V expanded for GQA)
+    num_splits: int | None = None  # cuflash: the KV splits its heuristic chose
+    scratch_bytes: int = 0       # caller-owned scratch (cuflash's workspace), counted as extra memory
+    before: None = None          # (measure_extra_memory reads it)
+
+
+def _cuflash_decode(case: DecodeCase, page_size: int) -> DecodeTimed:
+    """flash_attn_with_kvcache as a serving engine calls it inside a graph: check=False (no host reads),
+    out= and workspace= allocated once here (the captured call allocates nothing), num_splits=0 (the
+    heuristic, from the shapes: the cache is full, so capacity = cache_len = the longest entry)."""
+    import cupy
+
+    from .api import flash_attn_with_kvcache, kvcache_num_splits, kvcache_workspace_bytes
+
+    s = case.shape
+    kc, vc, table = case.paged(page_size) if page_size else (case.k, case.v, None)
+    splits = kvcache_num_splits(s.batch, s.heads, s.kv_heads, s.seqlen_q, s.headdim, s.seqlen_k)
+    out = cupy.empty_like(case.q)
+    workspace = cupy.empty(kvcache_workspace_bytes(s.batch, s.heads, s.seqlen_q, s.headdim, splits), dtype=cupy.uint8)
+
+    def fn():
+        return (flash_attn_with_kvcache(case.q, kc, vc, cache_seqlens=case.seqlens, page_table=table,
+                                        softmax_scale=case.scale, check=False, out=out, workspace=workspace),)
+
+    return DecodeTimed(fn, "cupy", None, splits, workspace.nbytes)
+
+
+def _sdpa_decode_factory(backend: str):
+    def make(case: DecodeCase, page_size: int) -> DecodeTimed:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        s = case.shape
+        chosen = getattr(SDPBackend, backend)
+        q, k, v = (t.transpose(1, 2) for t in _torch_inputs(case, requires_grad=False))  # (B, H, S, D) views
+
+        def call(kk, vv, **kw):
+            with sdpa_kernel(chosen):
+                o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, scale=case.scale, **kw)
+            return (o.transpose(1, 2),)
+
+        if s.heads == s.kv_heads:
+            return DecodeTimed(lambda: call(k, v), "torch")
+        try:  # GQA in the backend itself when it can (torch >= 2.5: enable_gqa)
+            call(k, v, enable_gqa=True)
+            return DecodeTimed(lambda: call(k, v, enable_gqa=True), "torch")
+        except Exception as exc:  # noqa: BLE001 - "No available kernel", or an older torch without enable_gqa
+            why = _error_text(exc)
+        group = s.heads // s.kv_heads
+        ke, ve = (x.repeat_interleave(group, dim=1) for x in (k, v))  # materialised once, outside the timing
+        return DecodeTimed(lambda: call(ke, ve), "torch",
+                           f"K/V expanded to {s.heads} heads (no GQA in this backend: {why[:80]}); reads {group}x the bytes")
+
+    return make
+
+
+def _flash_attn_decode(case: DecodeCase, page_size: int) -> DecodeTimed:
+    from flash_attn import flash_attn_with_kvcache
+    import torch
+
+    q, k, v = _torch_inputs(case, requires_grad=False)
+    seqlens = torch.from_dlpack(case.seqlens)
+    return DecodeTimed(lambda: (flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=case.scale),),
+                       "torch")
+
+
+def _flashinfer_decode(case: DecodeCase, page_size: int) -> DecodeTimed:
+    """BatchDecodeWithPagedKVCacheWrapper on the contiguous cache seen as one page of cache_len rows per
+    entry (NHD, K and V as a tuple: zero-copy); planned once, in its CUDA-graph mode (fixed buffers)."""
+    import flashinfer
+    import torch
+
+    s = case.shape
+    q, k, v = _torch_inputs(case, requires_grad=False)
+    q = q.reshape(s.batch, s.heads, s.headdim)
+    dev = q.device
+    indptr = torch.arange(s.batch + 1, dtype=torch.int32, device=dev)
+    indices = torch.arange(s.batch, dtype=torch.int32, device=dev)
+    last_len = torch.full((s.batch,), s.seqlen_k, dtype=torch.int32, device=dev)
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    graph_kw = dict(use_cuda_graph=True, paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last_len)
+    try:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=s.heads // s.kv_heads >= 4,
+                                                                **graph_kw)
+    except TypeError:  # older flashinfer without use_tensor_cores
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", **graph_kw)
+    plan = (indptr, indices, last_len, s.heads, s.kv_heads, s.headdim, s.seqlen_k)
+    try:
+        wrapper.plan(*plan, pos_encoding_mode="NONE", sm_scale=case.scale, q_data_type=q.dtype, kv_data_type=k.dtype)
+    except TypeError:  # older flashinfer: one data_type
+        wrapper.plan(*plan, pos_encoding_mode="NONE", sm_scale=case.scale, data_type=q.dtype)
+    shape = (s.batch, 1, s.heads, s.headdim)
+    return DecodeTimed(lambda: (wrapper.run(q, (k, v)).view(shape),), "torch",
+                       f"paged API, one page of {s.seqlen_k} rows per entry (the contiguous cache)")
+
+
+DECODE_FACTORIES: dict[str, Callable[[DecodeCase, int], DecodeTimed]] = {
+    "cuflash-decode": _cuflash_decode,
+    "torch-cudnn": _sdpa_decode_factory("CUDNN_ATTENTION"),
+    "torch-flash": _sdpa_decode_factory("FLASH_ATTENTION"),
+    "flash_attn": _flash_attn_decode,
+    "flashinfer": _flashinfer_decode,
+}
+
+
+def decode_factory_for(name: str) -> Callable[[DecodeCase, int], DecodeTimed]:
+    if name not in DECODE_FACTORIES:
+        raise ValueError(f"{name} has no decode benchmark (decode implementations: {', '.join(DECODE_FACTORIES)})")
+    return DECODE_FACTORIES[name]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -486,7 +683,7 @@ def _error_text(exc: BaseException) -> str:
 
 
 def make_row(suite: Suite, impl: str, shape: Shape, dtype: str, *, ms=None, max_err=None, error=None,
-             extra_mem_bytes=None, env=None, reps=None) -> dict:
+             extra_mem_bytes=None, env=None, reps=None, num_splits=None, host_us=None, note=None) -> dict:
     """One JSON row. The metric comes from the suite's work count and ``ms``; ratios are filled later."""
     env = env or {}
     value = None
@@ -516,6 +713,10 @@ def make_row(suite: Suite, impl: str, shape: Shape, dtype: str, *, ms=None, max_
         "extra_mem_bytes": extra_mem_bytes,
         "gpu": env.get("gpu"),
         "env": env,
+        "page_size": shape.page_size,
+        "num_splits": num_splits,
+        "host_us": host_us,
+        "note": note,
     }
 
 
@@ -563,6 +764,162 @@ def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
         error = error or "output has NaN or inf"
     return make_row(suite, impl, shape, cfg.dtype, ms=ms, max_err=max_err, error=error,
                     extra_mem_bytes=extra, env=env, reps=reps)
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode: CUDA-graph replays queued behind a spin kernel, host overhead of eager calls
+# ----------------------------------------------------------------------------------------------------
+
+_SPIN_SRC = r"""
+extern "C" __global__ void cuflash_bench_spin(long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while ((long long)(t - t0) < ns);
+}
+"""
+_spin_kernel = None
+
+
+def spin(ms: float) -> None:
+    """Keep the current CuPy stream busy for ``ms`` milliseconds (one thread reading the global timer)."""
+    global _spin_kernel
+    import cupy
+    import numpy
+
+    if _spin_kernel is None:
+        _spin_kernel = cupy.RawKernel(_SPIN_SRC, "cuflash_bench_spin")
+    _spin_kernel((1,), (1,), (numpy.int64(ms * 1e6),))
+
+
+def time_queued(fn, warmup=10, reps=100, spin_ms=SPIN_MS) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` by CUDA events, like ``time_fn``, except that the
+    timed calls are queued behind a ``spin_ms`` spin kernel: the host enqueues every (event, call, event)
+    while the GPU spins, so the calls then run back to back and each interval is the GPU time of one
+    call, not the host's launch latency (a decode step of a few µs is shorter than its launch).
+    Launches go to CuPy's current stream (``with stream:`` for a graph replayed on a side stream)."""
+    import cupy
+
+    device = cupy.cuda.Device()
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    device.synchronize()
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(max(1, reps))]
+    spin(spin_ms)
+    for start, end in events:
+        start.record(stream)
+        fn()
+        end.record(stream)
+    device.synchronize()
+    return statistics.median(cupy.cuda.get_elapsed_time(start, end) for start, end in events)
+
+
+def host_overhead_us(fn, warmup=3, calls=100) -> float:
+    """Host wall time of one eager call in µs: ``calls`` calls back to back, the GPU never waited for in
+    between (that is what a serving loop pays in Python and launches per step when it does not use graphs)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    _sync()
+    return 1e6 * elapsed / max(1, calls)
+
+
+def capture_graph(timed: DecodeTimed):
+    """Capture one call of ``timed.fn`` in a CUDA graph: ``(replay, outputs, stream)``. ``replay()`` launches
+    the graph on ``stream`` (a CuPy side stream; None for torch graphs, which replay on torch's current
+    stream, the default one that CuPy's default stream also is); ``outputs`` are the captured call's results,
+    rewritten by every replay."""
+    if timed.graph == "torch":
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # torch's recipe: warm up on a side stream before capturing
+            for _ in range(2):
+                timed.fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = timed.fn()
+        return graph.replay, outs, None
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            outs = timed.fn()
+        except BaseException:
+            try:
+                stream.end_capture()
+            except Exception:  # noqa: BLE001 - the original error matters
+                pass
+            raise
+        graph = stream.end_capture()
+    return (lambda: graph.launch(stream)), outs, stream
+
+
+def _join(*notes) -> str | None:
+    text = "; ".join(n for n in notes if n)
+    return text or None
+
+
+def measure_decode(suite: Suite, case: DecodeCase, impl: str, page_size: int, cfg, env: dict) -> dict:
+    """One decode row: max_err of the eager call and of the graph's output, host_us of eager calls, then
+    ms = median GPU time of graph replays (``time_queued``); when capture fails, eager calls are timed the
+    same way and the note says so. Failures become a row with ``ms: null`` and an ``error``."""
+    import contextlib
+
+    shape = dataclasses.replace(case.shape, page_size=page_size)
+    ms = max_err = extra = error = host_us = splits = note = None
+    timed = outs = replay = None
+    try:
+        timed = decode_factory_for(impl)(case, page_size)
+        splits, note = timed.num_splits, timed.note
+        extra, outs = measure_extra_memory(timed)  # also the first call: compiles, fills caches
+        extra += timed.scratch_bytes
+        try:
+            max_err = case.max_err(outs)
+        except Exception as exc:  # the reference failing is not the implementation's fault
+            if _is_oom(exc):
+                free_memory()
+        outs = None
+        host_us = host_overhead_us(timed.fn, min(cfg.warmup, 3), cfg.reps)
+        try:
+            replay, outs, stream = capture_graph(timed)
+        except Exception as exc:
+            if _is_fatal(_error_text(exc)):
+                raise
+            note = _join(note, f"timed eagerly: graph capture failed ({_error_text(exc)[:80]})")
+            replay, outs, stream = timed.fn, None, None
+        with stream if stream is not None else contextlib.nullcontext():
+            ms = time_queued(replay, cfg.warmup, cfg.reps)
+        if outs is not None and max_err is not None:  # the replays' output must be as good as the eager one
+            _sync()
+            graph_err = case.max_err(outs)
+            max_err = max(max_err, graph_err) if math.isfinite(graph_err) else graph_err
+    except Exception as exc:
+        error = "out of memory" if _is_oom(exc) else _error_text(exc)
+        ms = None
+    finally:
+        timed = outs = replay = None
+        try:
+            free_memory()
+        except Exception:  # a dead context fails even here; the row already says why
+            pass
+    if max_err is not None and not math.isfinite(max_err):
+        max_err = None
+        error = error or "output has NaN or inf"
+    return make_row(suite, impl, shape, cfg.dtype, ms=ms, max_err=max_err, error=error, extra_mem_bytes=extra,
+                    env=env, reps=cfg.reps if ms is not None else None, num_splits=splits, host_us=host_us, note=note)
 
 
 def add_speedups(rows: list[dict]) -> None:
@@ -737,24 +1094,41 @@ def render_header(env: dict, suite: Suite, cfg):
         ("ceilings", f"bf16 matmul 8192³ {_fmt(ceil.get('bf16_matmul_tflops'), '.0f')} TFLOP/s "
                      f"({ceil.get('matmul_via') or ceil.get('matmul_error', '?')}); "
                      f"D2D copy {_fmt(ceil.get('copy_tbps'), '.2f')} TB/s (read + write)"),
-        ("suite", f"{suite.name} ({'forward' if suite.mode == 'fwd' else 'backward only'}), {cfg.dtype}, "
-                  f"{cfg.total_tokens} tokens, hidden {cfg.hidden}, median of {cfg.reps} after {cfg.warmup} warm-up"),
+        ("suite", _suite_line(suite, cfg)),
     ):
         grid.add_row(key, value)
     return Panel(grid, title="cuflash bench", expand=False)
 
 
+def _suite_line(suite: Suite, cfg) -> str:
+    if suite.name == "decode":
+        shapes = ", ".join(f"{b}×{n}" for b, n in cfg.decode_shapes)
+        return (f"decode (flash_attn_with_kvcache, Sq = 1, {DECODE_HEADS} query / {DECODE_KV_HEADS} KV heads), "
+                f"{cfg.dtype}, batch×cache {shapes}; cuflash also paged (pages {', '.join(map(str, cfg.page_sizes))}, "
+                f"random order); ms: median of {cfg.reps} CUDA-graph replays after {cfg.warmup}; host µs: eager calls")
+    return (f"{suite.name} ({'forward' if suite.mode == 'fwd' else 'backward only'}), {cfg.dtype}, "
+            f"{cfg.total_tokens} tokens, hidden {cfg.hidden}, median of {cfg.reps} after {cfg.warmup} warm-up")
+
+
 def render_table(suite: Suite, rows: list[dict], title: str, ratio_peers: list[str]):
-    """One table for one (headdim, causal) sweep: rows grouped by shape, cuflash rows in bold."""
+    """One table for one (headdim, causal) sweep: rows grouped by shape, cuflash rows in bold. The decode
+    suite's table also has the page size, the split count and the host µs of an eager call."""
+    from rich.markup import escape
     from rich.table import Table
 
     unit = "TFLOP/s" if suite.metric == "tflops" else "TB/s"
+    decode = suite.name == "decode"
     has_delta = any("delta_vs_old_pct" in r for r in rows)
-    has_note = any(r["error"] for r in rows)
+    has_note = any(r["error"] or r.get("note") for r in rows)
     table = Table(title=title, title_justify="left")
-    table.add_column("shape (B×N×H)")
+    table.add_column("shape (B×cache)" if decode else "shape (B×N×H)")
     table.add_column("impl")
+    if decode:
+        table.add_column("page", justify="right")
+        table.add_column("splits", justify="right")
     table.add_column("ms", justify="right")
+    if decode:
+        table.add_column("host µs", justify="right")
     table.add_column(unit, justify="right")
     table.add_column("% ceil", justify="right")
     for peer in ratio_peers:
@@ -768,13 +1142,19 @@ def render_table(suite: Suite, rows: list[dict], title: str, ratio_peers: list[s
 
     previous = None
     for row in rows:
-        shape = f"{row['batch']}×{row['seqlen_q']}×{row['heads']}"
+        shape = f"{row['batch']}×{row['seqlen_k']}" if decode else f"{row['batch']}×{row['seqlen_q']}×{row['heads']}"
         if previous is not None and shape != previous:
             table.add_section()
         ours = row["impl"].startswith("cuflash-")
         value = _metric(row)
-        cells = [shape if shape != previous else "", row["impl"], _fmt(row["ms"], ".3f"), _fmt(value, ".1f"),
-                 _fmt(row["pct_of_ceiling"], ".0f")]
+        cells = [shape if shape != previous else "", row["impl"]]
+        if decode:
+            page = row.get("page_size")
+            cells += ["contig" if not page else str(page), _fmt(row.get("num_splits"), "d", "")]
+        cells.append(_fmt(row["ms"], ".4f" if decode else ".3f"))
+        if decode:
+            cells.append(_fmt(row.get("host_us"), ".1f"))
+        cells += [_fmt(value, ".2f" if decode else ".1f"), _fmt(row["pct_of_ceiling"], ".0f")]
         for peer in ratio_peers:
             ratio = row["speedup_vs"].get(peer) if ours else None
             cells.append("" if ratio is None else f"[{'green' if ratio >= 1 else 'red'}]×{ratio:.2f}[/]")
@@ -783,8 +1163,8 @@ def render_table(suite: Suite, rows: list[dict], title: str, ratio_peers: list[s
             delta = row.get("delta_vs_old_pct")
             cells.append("" if delta is None else f"[{'green' if delta >= 0 else 'red'}]{delta:+.1f}%[/]")
         if has_note:
-            error = row["error"] or ""
-            cells.append(f"[yellow]{error}[/]" if error else "")
+            error, note = row["error"] or "", row.get("note") or ""
+            cells.append(f"[yellow]{escape(error)}[/]" if error else f"[dim]{escape(note)}[/]" if note else "")
         table.add_row(*cells, style="bold" if ours else None)
         previous = shape
     return table
@@ -820,6 +1200,23 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _decode_shape_list(text: str) -> list[tuple[int, int]]:
+    """"1x32768,16x8192": (batch, cache length) pairs of the decode suite."""
+    pairs = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        parts = item.lower().replace("×", "x").split("x")
+        try:
+            batch, length = (int(p) for p in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected BATCHxCACHE_LEN pairs like 16x8192, got {item!r}")
+        if batch <= 0 or length <= 0:
+            raise argparse.ArgumentTypeError(f"batch and cache length must be positive, got {item!r}")
+        pairs.append((batch, length))
+    if not pairs:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of BATCHxCACHE_LEN pairs")
+    return pairs
+
+
 def _impl_list(text: str) -> list[str]:
     """Comma list; a bare cuflash implementation name ("fa1") means "cuflash-fa1"."""
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -830,7 +1227,8 @@ def _impl_list(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=sorted(SUITES), default="prefill",
-                        help="prefill: forward pass; backward: the backward pass alone (default: prefill)")
+                        help="prefill: forward pass; backward: the backward pass alone; decode: one decoding step "
+                             "over a KV cache (flash_attn_with_kvcache) (default: prefill)")
     parser.add_argument("--impls", type=_impl_list, default=None,
                         help="comma list, e.g. cuflash-fa1,torch-cudnn,naive (default: every cuflash "
                              "implementation usable on this GPU plus every peer found)")
@@ -851,12 +1249,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", metavar="OLD.json", default=None, help="add a change column against an older --json file")
     parser.add_argument("--svg", metavar="PATH", default=None, help="also save the report as an SVG")
     parser.add_argument("--quick", action="store_true", help="a tiny sweep (tests, smoke runs)")
+    parser.add_argument("--decode-shapes", type=_decode_shape_list, default=None,
+                        help="decode suite: BATCHxCACHE_LEN list (default: 1x32768,16x8192,64x4096,128x2048)")
+    parser.add_argument("--page-sizes", type=_int_list, default=None,
+                        help="decode suite: page sizes of cuflash's paged-cache rows, besides the contiguous "
+                             "cache (default: 1,16,64,256)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill options left unset from the full or the --quick defaults (explicit options always win)."""
     cfg = argparse.Namespace(**vars(args))
-    defaults = QUICK_DEFAULTS if getattr(args, "quick", False) else FULL_DEFAULTS
+    quick = getattr(args, "quick", False)
+    defaults = dict(QUICK_DEFAULTS if quick else FULL_DEFAULTS)
+    if getattr(args, "suite", None) == "decode":
+        defaults.update(DECODE_QUICK_DEFAULTS if quick else DECODE_FULL_DEFAULTS)
     for key, value in defaults.items():
         if getattr(cfg, key, None) is None:
             setattr(cfg, key, list(value) if isinstance(value, list) else value)
@@ -866,6 +1272,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--{key.replace('_', '-')} must be positive")
     if cfg.warmup < 0:
         raise ValueError("--warmup must be >= 0")
+    if getattr(cfg, "suite", None) == "decode":
+        for batch, length in cfg.decode_shapes:
+            for page in cfg.page_sizes:
+                if length % page:
+                    raise ValueError(f"--page-sizes: page size {page} does not divide the cache length {length} "
+                                     f"(shape {batch}x{length})")
     return cfg
 
 
@@ -919,6 +1331,56 @@ class _Sweep:
                  f"{unit}, % of the {roof} ceiling")
         return rows, render_table(suite, rows, title, self.ratio_peers)
 
+    # decode suite: one table per head dim, rows per (batch, cache length): cuflash on the contiguous cache
+    # and each page size, every peer on the contiguous cache
+
+    def decode_entries(self) -> list[tuple[str, int]]:
+        """(impl, page_size) measured on every decode shape, in table order."""
+        return [(impl, page) for impl in self.impls
+                for page in ([0] + list(self.cfg.page_sizes) if impl.startswith("cuflash-") else [0])]
+
+    def decode_shape_rows(self, shape: Shape) -> list[dict]:
+        suite, cfg = self.suite, self.cfg
+        case = case_error = None
+        if self.context_lost is None:
+            try:
+                case = DecodeCase(shape, cfg.dtype, cfg.seed)
+            except Exception as exc:
+                case_error = "out of memory" if _is_oom(exc) else _error_text(exc)
+        rows = []
+        for impl, page in self.decode_entries():
+            row_shape = dataclasses.replace(shape, page_size=page)
+            self.progress.update(self.task, description=f"decode d={shape.headdim} {row_shape.label} {impl}")
+            if self.context_lost is not None:
+                rows.append(make_row(suite, impl, row_shape, cfg.dtype, env=self.env,
+                                     error=f"skipped: CUDA context lost after {self.context_lost}"))
+            elif case_error is not None:
+                rows.append(make_row(suite, impl, row_shape, cfg.dtype, env=self.env, error=f"inputs: {case_error}"))
+            else:
+                rows.append(measure_decode(suite, case, impl, page, cfg, self.env))
+                if _is_fatal(rows[-1]["error"]):
+                    self.context_lost = f"{impl} at {row_shape.label} d={shape.headdim}"
+            self.progress.advance(self.task)
+        case = None
+        if self.context_lost is None:
+            free_memory()
+        add_speedups(rows)
+        return rows
+
+    def decode_group(self, headdim: int, checkpoint=None):
+        """Rows and table of the decode shapes at one head dim; ``checkpoint(rows)`` after each shape."""
+        cfg = self.cfg
+        rows = []
+        for shape in decode_shapes(headdim, cfg.decode_shapes):
+            rows += self.decode_shape_rows(shape)
+            if checkpoint is not None:
+                checkpoint(rows)
+        if self.old_rows is not None:
+            add_deltas(rows, self.old_rows)
+        title = (f"decode · d={headdim} · Sq=1 · {DECODE_HEADS} query / {DECODE_KV_HEADS} KV heads · {cfg.dtype} · "
+                 "TB/s of K/V read, % of the copy ceiling · ms per CUDA-graph replay, host µs per eager call")
+        return rows, render_table(self.suite, rows, title, self.ratio_peers)
+
 
 def run(args: argparse.Namespace) -> int:
     if not has_gpu():
@@ -935,7 +1397,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]{exc}[/]")
         return 2
     suite = SUITES[cfg.suite]
-    impls = cfg.impls or default_impls()  # imports torch & co. when present, before collect_env reads versions
+    impls = cfg.impls or default_impls(cfg.suite)  # imports torch & co. when present, before collect_env reads versions
     try:
         old_rows = load_rows(cfg.compare) if cfg.compare else None
     except (OSError, ValueError) as exc:
@@ -948,15 +1410,27 @@ def run(args: argparse.Namespace) -> int:
     renderables = [render_header(env, suite, cfg)]
     console.print(renderables[0])
 
-    groups = [(d, c) for d in cfg.headdims for c in cfg.causals]
+    decode = suite.name == "decode"
+    if decode:
+        groups = [(d, False) for d in cfg.headdims]
+        per_group = len(cfg.decode_shapes) * sum(1 + len(cfg.page_sizes) if i.startswith("cuflash-") else 1
+                                                 for i in impls)
+    else:
+        groups = [(d, c) for d in cfg.headdims for c in cfg.causals]
+        per_group = len(cfg.seqlens) * len(impls)
     rows: list[dict] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
+
+    def checkpoint(part):  # decode: after every shape, so that a crash later still leaves the finished part
+        if cfg.json:
+            write_json(cfg.json, rows + part)
+
     with progress:
-        task = progress.add_task("sweep", total=len(groups) * len(cfg.seqlens) * len(impls))
+        task = progress.add_task("sweep", total=len(groups) * per_group)
         sweep = _Sweep(suite, cfg, impls, env, old_rows, progress, task)
         for headdim, causal in groups:
-            group_rows, table = sweep.group(headdim, causal)
+            group_rows, table = sweep.decode_group(headdim, checkpoint) if decode else sweep.group(headdim, causal)
             progress.console.print(table)
             renderables.append(table)
             rows += group_rows
