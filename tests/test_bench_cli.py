@@ -1,5 +1,6 @@
 """CPU tier for ``python -m cuflash bench``: options, FLOPs, the JSON row schema, --compare, rendering and the
-no-GPU path. Nothing here touches a GPU or needs torch."""
+no-GPU path; the decode suite (its shapes, keys, measuring order and a whole run with the GPU steps replaced).
+Nothing here touches a GPU or needs torch."""
 import argparse
 import json
 
@@ -89,6 +90,70 @@ def test_suites_registry():
     assert bench.SUITES["prefill"].mode == "fwd" and bench.SUITES["backward"].mode == "bwd"
     for suite in bench.SUITES.values():
         assert suite.metric in ("tflops", "tbps")
+
+
+def test_decode_suite_registered_with_its_defaults():
+    suite = bench.SUITES["decode"]
+    assert suite.metric == "tbps" and suite.ceiling == "copy_tbps"
+    c = cfg("--suite", "decode")
+    assert c.decode_shapes == [(1, 32768), (16, 8192), (64, 4096), (128, 2048)]
+    assert c.page_sizes == [1, 16, 64, 256] and c.headdims == [128]
+    assert c.reps >= 30
+    q = cfg("--suite", "decode", "--quick")
+    assert q.page_sizes == [1, 16, 64, 256] and q.headdims == [128] and q.reps <= 10
+    assert max(b * n for b, n in q.decode_shapes) <= 8192  # K/V of a few MB: a smoke run
+    assert all(n % p == 0 for _, n in q.decode_shapes for p in q.page_sizes)
+    shapes = bench.decode_shapes(128, c.decode_shapes)
+    assert [(s.batch, s.seqlen_k) for s in shapes] == c.decode_shapes
+    assert all((s.heads, s.kv_heads, s.seqlen_q, s.headdim, s.causal, s.page_size) == (32, 8, 1, 128, False, 0)
+               for s in shapes)
+    # every full shape's K/V is beyond a 50 MB L2 (so the timed replays stream from HBM without a flush)
+    assert min(bench.decode_bytes(s) for s in shapes) >= 128 * 2 ** 20
+    # the other suites keep their own defaults
+    assert cfg("--suite", "prefill").headdims == [64, 128, 256] and cfg().decode_shapes is None
+
+
+def test_decode_options():
+    c = cfg("--suite", "decode", "--decode-shapes", "2x4096, 3×512", "--page-sizes", "16,128", "--headdims", "64")
+    assert c.decode_shapes == [(2, 4096), (3, 512)] and c.page_sizes == [16, 128] and c.headdims == [64]
+    for bad in (["--decode-shapes", "2x"], ["--decode-shapes", "0x512"], ["--decode-shapes", "4096"],
+                ["--page-sizes", "0"]):
+        with pytest.raises(SystemExit):
+            parse("--suite", "decode", *bad)
+    with pytest.raises(ValueError, match="page size 16 does not divide the cache length 1000"):
+        cfg("--suite", "decode", "--decode-shapes", "1x1000")
+    assert cfg("--suite", "decode", "--impls", "decode,torch-flash").impls == ["cuflash-decode", "torch-flash"]
+
+
+def test_decode_bytes_and_row():
+    s = bench.Shape(16, 32, 8, 1, 8192, 128, False, page_size=64)
+    assert bench.decode_bytes(s) == 16 * 8192 * 8 * 128 * 2 * 2
+    assert s.label == "16×8192 page 64" and bench.Shape(1, 32, 8, 1, 4096, 128, False, page_size=0).label == "1×4096"
+    row = bench.make_row(bench.SUITES["decode"], "cuflash-decode", s, "bf16", ms=0.25, max_err=1e-3, env=ENV,
+                         num_splits=3, host_us=17.5, note=None)
+    assert set(bench.REQUIRED_KEYS) <= set(row)
+    assert {"page_size", "num_splits", "host_us", "note"} <= set(bench.REQUIRED_KEYS)
+    assert row["tbps"] == pytest.approx(bench.decode_bytes(s) / 0.25e-3 / 1e12) and row["tflops"] is None
+    assert row["pct_of_ceiling"] == pytest.approx(100 * row["tbps"] / 4.0)  # the copy ceiling
+    assert (row["page_size"], row["num_splits"], row["host_us"]) == (64, 3, 17.5)
+    assert json.loads(json.dumps(row)) == row
+    prefill = bench.make_row(bench.SUITES["prefill"], "cuflash-fa1", shape(), "bf16", ms=1.0, env=ENV)
+    assert prefill["page_size"] is None and prefill["num_splits"] is None and prefill["host_us"] is None
+    # page_size tells rows apart in --compare (old files without the key still match prefill rows)
+    assert "page_size" in bench.MATCH_KEYS
+    old = dict(prefill)
+    del old["page_size"]
+    assert bench.row_key(old) == bench.row_key(prefill)
+    assert bench.row_key(row) != bench.row_key(dict(row, page_size=0))
+
+
+def test_decode_impls(monkeypatch):
+    assert set(bench.DECODE_FACTORIES) == {"cuflash-decode", *bench.DECODE_PEERS}
+    assert set(bench.DECODE_PEERS) == {"torch-cudnn", "torch-flash", "flash_attn", "flashinfer"}
+    with pytest.raises(ValueError, match="no decode benchmark"):
+        bench.decode_factory_for("naive")
+    monkeypatch.setattr(bench, "detect_peers", lambda: ["torch-flash", "torch-cudnn", "torch-math", "naive"])
+    assert bench.default_impls("decode") == ["cuflash-decode", "torch-cudnn", "torch-flash"]
 
 
 def test_impl_names_resolve():
@@ -266,6 +331,167 @@ def test_torch_math_skipped_at_long_sequences(monkeypatch, no_device):
     assert bench.measure(suite, long_case, "torch-math", cfg(), ENV)["error"] == "skipped: too slow"
     assert bench.measure(suite, short_case, "torch-math", cfg(), ENV)["ms"] == 0.5
     assert bench.measure(suite, long_case, "torch-math", cfg("--include-slow"), ENV)["ms"] == 0.5
+
+
+# ----------------------------------------------------------------------------------------------------
+# the decode suite without a GPU (factories, capture and timing replaced)
+# ----------------------------------------------------------------------------------------------------
+
+class FakeDecodeCase(FakeCase):
+    def __init__(self, s, dtype="bf16", seed=0):
+        super().__init__(s)
+
+
+@pytest.fixture
+def decode_no_device(monkeypatch, no_device):
+    """measure_decode's GPU steps replaced; ``calls`` records what ran, in order."""
+    calls = []
+
+    def capture(timed):
+        calls.append("capture")
+        return (lambda: calls.append("replay")), timed.fn(), None
+
+    def timed_queue(fn, warmup, reps):
+        calls.append(("time_queued", warmup, reps))
+        fn()
+        return 0.02
+
+    monkeypatch.setattr(bench, "capture_graph", capture)
+    monkeypatch.setattr(bench, "time_queued", timed_queue)
+    monkeypatch.setattr(bench, "host_overhead_us", lambda fn, warmup, calls_: calls.append("host") or 12.5)
+    monkeypatch.setattr(bench, "_sync", lambda: None)
+    return calls
+
+
+def _decode_factories(monkeypatch, calls):
+    def cuflash(case, page):
+        return bench.DecodeTimed(lambda: (None,), "cupy", None, 4 if page == 0 else 2, scratch_bytes=1000)
+
+    def peer(case, page):
+        assert page == 0
+        return bench.DecodeTimed(lambda: (None,), "torch", "K/V expanded to 32 heads")
+
+    def broken(case, page):
+        raise ValueError("head dim 96 is not supported\nmore")
+
+    factories = {"cuflash-decode": cuflash, "torch-flash": peer, "flash_attn": broken}
+    monkeypatch.setattr(bench, "decode_factory_for", lambda name: factories[name])
+
+
+def test_measure_decode(monkeypatch, decode_no_device):
+    _decode_factories(monkeypatch, decode_no_device)
+    suite, c = bench.SUITES["decode"], cfg("--suite", "decode", "--quick")
+    case = FakeDecodeCase(bench.Shape(8, 32, 8, 1, 1024, 128, False, page_size=0))
+    row = bench.measure_decode(suite, case, "cuflash-decode", 16, c, ENV)
+    assert row["error"] is None and row["ms"] == 0.02 and row["host_us"] == 12.5 and row["num_splits"] == 2
+    assert row["page_size"] == 16 and row["extra_mem_bytes"] == 123 + 1000 and row["max_err"] == 0.0
+    assert row["tbps"] == pytest.approx(8 * 1024 * 8 * 128 * 4 / 0.02e-3 / 1e12)
+    # order: host overhead of eager calls, then capture, then timed replays (the replay is what is timed)
+    assert decode_no_device == ["host", "capture", ("time_queued", c.warmup, c.reps), "replay"]
+    peer = bench.measure_decode(suite, case, "torch-flash", 0, c, ENV)
+    assert peer["num_splits"] is None and peer["note"] == "K/V expanded to 32 heads" and peer["page_size"] == 0
+    bad = bench.measure_decode(suite, case, "flash_attn", 0, c, ENV)
+    assert bad["ms"] is None and bad["error"] == "ValueError: head dim 96 is not supported"
+
+
+def test_measure_decode_falls_back_to_eager_timing(monkeypatch, decode_no_device):
+    _decode_factories(monkeypatch, decode_no_device)
+
+    def no_capture(timed):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench, "capture_graph", no_capture)
+    case = FakeDecodeCase(bench.Shape(1, 32, 8, 1, 4096, 128, False, page_size=0))
+    row = bench.measure_decode(bench.SUITES["decode"], case, "torch-flash", 0, cfg("--suite", "decode"), ENV)
+    assert row["ms"] == 0.02 and row["error"] is None
+    assert row["note"].startswith("K/V expanded to 32 heads; timed eagerly: graph capture failed (RuntimeError")
+
+
+def test_measure_decode_graph_output_checked(monkeypatch, decode_no_device):
+    """max_err covers the graph replays' output too: NaN there fails the row."""
+    _decode_factories(monkeypatch, decode_no_device)
+
+    class Case(FakeDecodeCase):
+        seen = 0
+
+        def max_err(self, outs):
+            Case.seen += 1
+            return 1e-3 if Case.seen == 1 else float("nan")
+
+    case = Case(bench.Shape(1, 32, 8, 1, 4096, 128, False, page_size=0))
+    row = bench.measure_decode(bench.SUITES["decode"], case, "cuflash-decode", 0, cfg("--suite", "decode"), ENV)
+    assert Case.seen == 2 and row["max_err"] is None and row["error"] == "output has NaN or inf"
+
+
+FAKE_ENV = dict(ENV, sms=132, compute_capability="9.0", driver="1", cuda_driver_api="13.0", cuda_runtime="13.0",
+                nvrtc="13.0", cuflash="0", cupy="14", torch=None, cudnn=None, flash_attn=None, flashinfer=None)
+
+
+def test_decode_run_end_to_end_without_a_gpu(monkeypatch, tmp_path, decode_no_device):
+    """``bench --suite decode --quick --json`` through run() with the GPU parts replaced: one row per shape x
+    (cuflash on the contiguous cache and each page size, each peer), the decode keys filled, the table and
+    the SVG rendered, the JSON written."""
+    _decode_factories(monkeypatch, decode_no_device)
+    monkeypatch.setattr(bench, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench, "default_impls", lambda suite: ["cuflash-decode", "torch-flash"])
+    monkeypatch.setattr(bench, "collect_env", lambda: dict(FAKE_ENV))
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: dict(ENV["ceilings"]))
+    monkeypatch.setattr(bench, "DecodeCase", FakeDecodeCase)
+    path, svg = tmp_path / "decode.json", tmp_path / "decode.svg"
+    assert bench.run(parse("--suite", "decode", "--quick", "--json", str(path), "--svg", str(svg))) == 0
+    rows = json.loads(path.read_text())
+    quick = cfg("--suite", "decode", "--quick")
+    assert len(rows) == len(quick.decode_shapes) * (1 + len(quick.page_sizes) + 1)
+    for row in rows:
+        assert set(bench.REQUIRED_KEYS) <= set(row)
+        assert row["suite"] == "decode" and row["seqlen_q"] == 1 and (row["heads"], row["kv_heads"]) == (32, 8)
+        assert row["tbps"] > 0 and row["pct_of_ceiling"] > 0 and row["host_us"] == 12.5
+    ours = [r for r in rows if r["impl"] == "cuflash-decode"]
+    assert sorted({r["page_size"] for r in ours}) == [0] + quick.page_sizes
+    assert all(r["num_splits"] in (2, 4) and "torch-flash" in r["speedup_vs"] for r in ours)
+    assert {(r["batch"], r["seqlen_k"]) for r in rows} == set(quick.decode_shapes)
+    assert all(r["num_splits"] is None and r["page_size"] == 0 for r in rows if r["impl"] == "torch-flash")
+    assert svg.read_text().lstrip().startswith("<svg")
+
+
+def test_decode_table():
+    from rich.console import Console
+
+    suite = bench.SUITES["decode"]
+    mk = lambda impl, page, **kw: bench.make_row(  # noqa: E731
+        suite, impl, bench.Shape(16, 32, 8, 1, 8192, 128, False, page_size=page), "bf16", env=ENV, **kw)
+    rows = [mk("cuflash-decode", 0, ms=0.1, num_splits=1, host_us=15.0),
+            mk("cuflash-decode", 64, ms=0.11, num_splits=1, host_us=16.0),
+            mk("torch-cudnn", 0, ms=0.2, host_us=40.0, note="K/V expanded to 32 heads [no GQA]"),
+            mk("flashinfer", 0, error="ModuleNotFoundError: no [flashinfer]")]
+    bench.add_speedups(rows)
+    console = Console(record=True, width=250, file=open("/dev/null", "w"))
+    console.print(bench.render_table(suite, rows, "decode · d=128", ["torch-cudnn"]))
+    text = console.export_text()
+    for needle in ("shape (B×cache)", "16×8192", "page", "contig", "splits", "host µs", "15.0", "TB/s", "×2.00",
+                   "K/V expanded to 32 heads [no GQA]", "no [flashinfer]", "0.1000"):
+        assert needle in text, needle
+
+
+def test_decode_no_gpu_path(monkeypatch, capsys):
+    """--suite decode --quick without a GPU: the one sentence, then the offline compile check."""
+    calls = []
+    monkeypatch.setattr(bench, "has_gpu", lambda: False)
+    monkeypatch.setattr(bench, "_offline_check", lambda arch: calls.append(arch) or 0)
+    assert bench.run(parse("--suite", "decode", "--quick", "--json", "/nonexistent/x.json")) == 0
+    assert calls == ["sm_90a"] and capsys.readouterr().out.strip() == bench.OFFLINE_SENTENCE
+
+
+def test_spin_kernel_compiles():
+    """The spin kernel queued ahead of the timed decode replays compiles (NVRTC, no GPU needed)."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(bench._SPIN_SRC, "spin.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=compute_80"])
+        assert b"globaltimer" in nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def test_unsupported_is_not_a_failure():
