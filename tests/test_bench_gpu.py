@@ -1,5 +1,5 @@
-"""GPU tier for ``python -m cuflash bench``: a --quick prefill and backward sweep end to end (peers included,
-whatever this machine has), its JSON, --compare against the first file, and --svg."""
+"""GPU tier for ``python -m cuflash bench``: a --quick prefill, backward and decode sweep end to end (peers
+included, whatever this machine has), its JSON, --compare against the first file, and --svg."""
 import argparse
 import json
 import math
@@ -71,3 +71,39 @@ def test_time_fn_measures_gpu_work():
     big_a = cupy.random.default_rng(0).standard_normal((4096, 4096), dtype=cupy.float32)
     big = bench.time_fn(lambda: big_a @ big_a, warmup=2, reps=5)
     assert 0 < small < big  # 8x the work takes longer
+
+
+def test_decode_quick_writes_json(tmp_path):
+    """--suite decode --quick end to end: cuflash on the contiguous cache and every page size, each peer found
+    here on the contiguous cache; the decode keys (page_size, num_splits, host_us, note) in every row."""
+    path = tmp_path / "decode.json"
+    assert run_bench("--quick", "--suite", "decode", "--json", str(path)) == 0
+    rows = json.loads(path.read_text())
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    quick = bench.resolve(parser.parse_args(["--quick", "--suite", "decode"]))
+    for row in rows:
+        missing = set(bench.REQUIRED_KEYS) - set(row)
+        assert not missing, (row["impl"], missing)
+        assert row["suite"] == "decode" and row["dtype"] == "bf16" and row["seqlen_q"] == 1
+        assert (row["heads"], row["kv_heads"], row["headdim"]) == (32, 8, 128)
+        assert row["env"]["ceilings"]["copy_tbps"] > 0
+        if row["impl"] != "cuflash-decode":
+            assert row["page_size"] == 0 and row["num_splits"] is None
+    ours = [r for r in rows if r["impl"] == "cuflash-decode"]
+    want = {(b, n, p) for b, n in quick.decode_shapes for p in [0] + quick.page_sizes}
+    assert {(r["batch"], r["seqlen_k"], r["page_size"]) for r in ours} == want
+    for row in ours:
+        label = (row["batch"], row["seqlen_k"], row["page_size"])
+        assert row["error"] is None, (label, row["error"])
+        assert row["ms"] is not None and math.isfinite(row["ms"]) and row["ms"] > 0, label
+        assert row["tbps"] is not None and row["tbps"] > 0 and row["pct_of_ceiling"] > 0, label
+        assert row["max_err"] is not None and row["max_err"] < 0.02, (label, row["max_err"])
+        assert isinstance(row["num_splits"], int) and row["num_splits"] >= 1, label
+        assert row["host_us"] is not None and row["host_us"] > 0, label
+        assert row["note"] is None, (label, row["note"])  # captured in a graph (no eager fallback)
+    # batch 1 at the longest quick cache leaves the GPU mostly idle unsplit: the heuristic splits it
+    assert max(r["num_splits"] for r in ours if r["batch"] == 1) > 1
+    for row in rows:  # peers: where they ran, they computed the same thing
+        if row["impl"] != "cuflash-decode" and row["ms"] is not None:
+            assert row["max_err"] is not None and row["max_err"] < 0.02, row
