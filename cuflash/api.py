@@ -66,6 +66,11 @@ def _supports_arch(family, cc) -> str | None:
     return None
 
 
+def headdims(family, direction: str) -> tuple[int, ...]:
+    """The head dims of ``family``'s kernel for ``direction`` (a backward may cover fewer than the forward)."""
+    return getattr(family, "BWD_HEADDIMS", family.HEADDIMS) if direction == "backward" else family.HEADDIMS
+
+
 def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> str | None:
     """Why ``family`` cannot run this call (None when it can)."""
     supported = family.FWD_FEATURES if direction == "forward" else family.BWD_FEATURES
@@ -74,8 +79,9 @@ def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> s
     why = _supports_arch(family, cc)
     if why is not None:
         return why
-    if headdim not in family.HEADDIMS:
-        return f"head dim {headdim} is not supported (supported: {list(family.HEADDIMS)})"
+    dims = headdims(family, direction)
+    if headdim not in dims:
+        return f"head dim {headdim} is not supported (supported: {list(dims)})"
     missing = sorted(features - supported)
     if missing:
         return f"its {direction} does not support {', '.join(missing)}"

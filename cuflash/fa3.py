@@ -9,9 +9,10 @@ import numpy as np
 
 from . import _tma
 from ._interop import dtype_name
+from . import _bwd_aux
 from ._jit import Variant, launch
-from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
-                      pointer_fields)
+from ._params import (DIMS_FIELDS, DTYPE_CODES, LOG2E, fill_dims, fill_row_strides, fill_strides, logit_scales,
+                      pointer_fields, stride_fields)
 from ._validate import Dims
 from .heuristics import FA3_TILES
 
@@ -20,7 +21,8 @@ HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
-BWD_FEATURES = None  # backward: a later issue
+BWD_FEATURES = frozenset({"causal", "window", "gqa"})
+BWD_HEADDIMS = (64, 128)  # v0: dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
 
@@ -57,11 +59,31 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     )
 
 
+BWD_PARAMS = np.dtype(
+    pointer_fields("lse", "dsum", "dq_accum", "dk", "dv") + stride_fields("dk", "dv")
+    + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
+    + DIMS_FIELDS + [("scale_log2", np.float32), ("scale", np.float32)],
+    align=True,
+)
+BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
+
+
+def bwd_variant(headdim: int, dtype: str) -> Variant:
+    kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + 8 * 5 + 2048  # + barriers, + alignment slack
+    return Variant(
+        FAMILY, "fa3/bwd.cu", "fa3_bwd",
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SMEM_BYTES", smem)),
+        threads=THREADS, smem_bytes=smem,
+    )
+
+
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    return [fwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in HEADDIMS
-            for softcap in (False, True) for varlen in (False, True)]
+    fwd = [fwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in HEADDIMS
+           for softcap in (False, True) for varlen in (False, True)]
+    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS]
 
 
 def _tensor_map(a, rows_per_box: int):
@@ -109,3 +131,23 @@ def _sm_count() -> int:
     from ._device import device_id, device_properties
 
     return int(device_properties(device_id())["multiProcessorCount"])
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
+    """Launch preprocess (D, dQ accumulator zeroed), the main kernel and the dQ conversion on ``stream``
+    (the row passes are common/bwd_aux.cu's, shared with the other families)."""
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+    variant = bwd_variant(dims.headdim, dims.dtype)
+    maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
+            _tensor_map(dout, BWD_BLOCK_M))
+    p = np.zeros(1, BWD_PARAMS)
+    for name, a in (("lse", lse), ("dsum", dsum), ("dq_accum", dq_accum), ("dk", dk), ("dv", dv)):
+        p[name] = a.data.ptr
+    fill_strides(p, "dk", dk)
+    fill_strides(p, "dv", dv)
+    fill_row_strides(p, dims, None)
+    fill_dims(p, dims, window)
+    p["scale_log2"], p["scale"] = scale * LOG2E, scale
+    grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
+    launch(variant, grid, (*maps, p), stream)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)

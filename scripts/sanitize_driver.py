@@ -36,9 +36,11 @@ def _families():
 
 
 def _cases(name, direction):
+    from cuflash import api
+
     fam = importlib.import_module(f"cuflash.{name}")
     feats = fam.FWD_FEATURES if direction == "fwd" else fam.BWD_FEATURES
-    dims = sorted(fam.HEADDIMS)
+    dims = sorted(api.headdims(fam, "forward" if direction == "fwd" else "backward"))
     mid = min(dims, key=lambda d: abs(d - 64))
     cases = []
     for d in (dims[0], dims[-1]):

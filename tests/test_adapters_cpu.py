@@ -1287,6 +1287,6 @@ def test_available_impls_direction(monkeypatch):
     monkeypatch.setattr(_device, "compute_capability", lambda device=None: (9, 0))
     assert cuflash.available_impls() == ["fa1", "fa2", "fa3"]
     assert cuflash.available_impls("forward") == ["fa1", "fa2", "fa3"]
-    assert cuflash.available_impls("backward") == ["fa1", "fa2"]  # fa3 has no backward kernel yet
+    assert cuflash.available_impls("backward") == ["fa1", "fa2", "fa3"]
     monkeypatch.setattr(_device, "compute_capability", lambda device=None: (8, 0))
     assert cuflash.available_impls("forward") == ["fa1", "fa2"]

@@ -262,9 +262,9 @@ for fn, direction in DIRECTION.items():
                 [f"impl={name!r}", f"it has no {direction} kernel yet"], impl=name)
             continue
         for d in ALL_HEADDIMS:
-            if d not in fam.HEADDIMS:
+            if d not in api.headdims(fam, direction):
                 add(fn, "impl", f"{name}_headdim_{d}", ValueError,
-                    [f"impl={name!r}", f"head dim {d} is not supported", str(list(fam.HEADDIMS))],
+                    [f"impl={name!r}", f"head dim {d} is not supported", str(list(api.headdims(fam, direction)))],
                     arrs=varlen_arrays(d=d) if fn in VARLEN else arrays(d=d), impl=name)
         add(fn, "impl", f"{name}_gpu_too_old", ValueError,
             [f"impl={name!r}", f"sm_{fam.MIN_CC[0]}{fam.MIN_CC[1]} or newer", "sm_75"], impl=name, cc=(7, 5))
@@ -810,7 +810,7 @@ def test_every_supported_headdim_passes(spec_env):
         for d in fam.HEADDIMS:
             for fn in PUBLIC:
                 feats = fam.FWD_FEATURES if DIRECTION[fn] == "forward" else fam.BWD_FEATURES
-                if feats is None or (fn in VARLEN and "varlen" not in feats):
+                if feats is None or (fn in VARLEN and "varlen" not in feats) or d not in api.headdims(fam, DIRECTION[fn]):
                     continue
                 arrs = varlen_arrays(d=d) if fn in VARLEN else arrays(d=d)
                 with pytest.raises(_ReachedKernel, match=name):
@@ -831,6 +831,10 @@ SUPPORTS = [
     ("fa1", 64, (9, 0), "forward", {"gqa", "alibi", "softcap"}, ["its forward does not support alibi, softcap"]),
     ("fa2", 192, (9, 0), "forward", {"gqa", "softcap", "alibi", "causal", "window"}, None),
     ("fa2", 512, (9, 0), "forward", {"gqa"}, ["head dim 512 is not supported"]),
+    ("fa3", 128, (9, 0), "backward", {"gqa", "causal", "window"}, None),
+    ("fa3", 256, (9, 0), "backward", {"gqa"}, ["head dim 256 is not supported", "supported: [64, 128]"]),
+    ("fa3", 64, (9, 0), "backward", {"gqa", "softcap"}, ["its backward does not support softcap"]),
+    ("fa3", 64, (8, 0), "backward", {"gqa"}, ["sm_90 or newer", "sm_80"]),
 ]
 
 

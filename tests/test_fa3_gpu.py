@@ -7,7 +7,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
-from gpu_checks import check_forward, varlen_batch
+from gpu_checks import check_backward, check_forward, varlen_batch
 from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
@@ -152,3 +152,38 @@ def test_auto_picks_fa3_for_varlen():
     a = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, causal=True)
     b = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 100, 200, causal=True, impl="fa3")
     assert bool(cupy.all(a.view("uint16") == b.view("uint16")))
+
+
+# --- backward (v0: head dims 64 and 128) -----------------------------------------------------------------
+
+BWD_HEADDIMS = (64, 128)
+
+
+@pytest.mark.parametrize("d", BWD_HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(113, 239), (239, 113), (1, 300), (300, 1), (1023, 1023)])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])
+def test_backward(poison_allocations, d, causal, seqlens, heads):
+    q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, *heads, d, "bfloat16")
+    check_backward("fa3", q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("d", BWD_HEADDIMS)
+@pytest.mark.parametrize("window", [(32, 0), (17, 40), (-1, 5)])
+def test_backward_window(poison_allocations, d, window):
+    q, k, v = _inputs(np.random.default_rng(), 2, 239, 300, 4, 2, d, "bfloat16")
+    check_backward("fa3", q, k, v, window_size=window)
+
+
+def test_backward_fp16_and_strided(poison_allocations):
+    import cupy
+
+    qkv = cupy.asarray(np.random.default_rng().standard_normal((2, 177, 3, 4, 128), dtype=np.float32)).astype("float16")
+    check_backward("fa3", qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+
+
+def test_backward_refuses_other_head_dims():
+    q, k, v = _inputs(np.random.default_rng(), 1, 64, 64, 2, 2, 256, "bfloat16")
+    out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa3")
+    with pytest.raises(ValueError, match="head dim 256 is not supported"):
+        cuflash.flash_attn_backward(q, q, k, v, out, lse, impl="fa3")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import api
 from cuflash import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -49,7 +50,7 @@ def _features(family, direction):
 def _supports(family, cfg, direction) -> bool:
     """Whether ``family`` runs this configuration (head dim and features; the GPU is checked apart)."""
     feats = _features(family, direction)
-    if feats is None or cfg["d"] not in family.HEADDIMS:
+    if feats is None or cfg["d"] not in api.headdims(family, direction):
         return False
     want = {"gqa"}
     if cfg["causal"]:

@@ -6,9 +6,11 @@
 //   B_MN = 0: B stored [N][K] (K-major, like K in S = Q K^T): descriptor steps of 32 bytes in the atom;
 //   B_MN = 1: B stored [K][N] (MN-major, like V in O += P V): 64-wide N atoms `lbo` bytes apart, 8-row
 //             K groups `sbo` bytes apart (run-time arguments, so one GPU run can tell the layouts apart);
-//   A_REGS = 1: A fed from registers in the mma.sync A-fragment layout (like P in O += P V).
+//   A_REGS = 1: A fed from registers in the mma.sync A-fragment layout (like P in O += P V);
+//   A_MN = 1: A stored [K][M] (MN-major, like dS^T in the backward's dQ = dS K), read with the transpose
+//             flag (wgmma_ss_mn; needs B_MN = 1).
 // Compile-time constants: CUFLASH_K (multiple of 64, <= 256), CUFLASH_N (64 or 128), CUFLASH_B_MN,
-// CUFLASH_A_REGS, CUFLASH_DTYPE.
+// CUFLASH_A_REGS, CUFLASH_A_MN, CUFLASH_DTYPE.
 #include "common/hopper.cuh"
 
 constexpr int K = CUFLASH_K;
@@ -16,6 +18,8 @@ constexpr int N = CUFLASH_N;
 constexpr int STAGES = K / 64;
 constexpr bool B_MN = CUFLASH_B_MN;
 constexpr bool A_REGS = CUFLASH_A_REGS;
+constexpr bool A_MN = CUFLASH_A_MN;
+static_assert(!A_MN || (B_MN && !A_REGS), "MN-major A goes with MN-major B, from shared memory");
 constexpr int A_BYTES = 64 * 128;  // 64 rows x 64 16-bit elements
 constexpr int B_BYTES = N * 128;   // N x 64 (K-major) or 64 x N as N / 64 atoms of 64 x 64 (MN-major)
 
@@ -43,7 +47,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; ++s) {
                 mbar_arrive_expect_tx(&sm.full[s], A_BYTES + B_BYTES);
-                tma_load_2d(sm.a[s], &map_a, &sm.full[s], s * 64, 0);
+                if constexpr (A_MN)
+                    tma_load_2d(sm.a[s], &map_a, &sm.full[s], 0, s * 64);  // box: 64 M-elements x 64 K-rows
+                else
+                    tma_load_2d(sm.a[s], &map_a, &sm.full[s], s * 64, 0);  // box: 64 K-elements x 64 M-rows
                 if constexpr (B_MN) {
                     for (int atom = 0; atom < N / 64; ++atom)  // box: 64 N-elements x 64 K-rows
                         tma_load_2d(sm.b[s] + atom * 64 * 128, &map_b, &sm.full[s], atom * 64, s * 64);
@@ -65,7 +72,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             for (int kk = 0; kk < 4; ++kk) {
                 const u64 db = B_MN ? wgmma_desc_mn(sm.b[s] + kk * 16 * 128, lbo, sbo)
                                     : wgmma_desc_advance(wgmma_desc(sm.b[s]), 32 * kk);
-                if constexpr (A_REGS) {
+                if constexpr (A_MN) {
+                    wgmma_ss_mn<N>(acc, wgmma_desc_mn(sm.a[s] + kk * 16 * 128, 64 * 128, 1024), db, 1);
+                } else if constexpr (A_REGS) {
                     const u16* row_lo = a_global + (16 * w + g) * K + s * 64 + kk * 16 + 2 * q;
                     const u16* row_hi = row_lo + 8 * K;
                     const u32 a[4] = {*reinterpret_cast<const u32*>(row_lo), *reinterpret_cast<const u32*>(row_hi),

@@ -1,0 +1,255 @@
+// FA3-style attention backward for Hopper (sm_90a), version 0: wgmma for all five products, TMA loads
+// through an mbarrier ring, warp specialisation.
+//
+// A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
+// the 64-row query blocks that see those keys. Three warpgroups:
+//   producer  (warpgroup 0): gives registers back; one thread TMA-loads K and V once, then streams the
+//             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers);
+//   consumers (warpgroups 1 and 2): each owns 64 of the keys and, per query block, computes
+//       S^T  = K Q^T,  dP^T = V dO^T            (64 keys x 64 queries; both operands in shared memory)
+//       P^T  = 2^(S^T c - lse log2 e),  dS^T = P^T o (dP^T - D)        (registers; D = rowsum(dO o O))
+//       dV  += P^T dO,  dK += dS^T Q           (P^T, dS^T fed from registers; dO, Q read MN-major)
+//       dQ   = dS K over its 64 keys           (dS^T through shared memory; both operands MN-major),
+//     added to the fp32 dQ accumulator with atomics (common/bwd_aux.cu zeroes it first, converts it last).
+//   At the end dK (times the softmax scale) and dV are stored from registers.
+// Not yet: softcap, varlen, dropout, a persistent schedule, dQ by TMA reduce-add instead of atomics,
+// overlap between the consumers (bench/NOTES.md).
+//
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SMEM_BYTES.
+#include "common/hopper.cuh"
+#include "common/mask.cuh"
+#include "common/ptx.cuh"
+#include "fa3/params.cuh"
+
+constexpr int D = CUFLASH_HEADDIM;
+constexpr int BM = 64;   // query rows per step
+constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
+constexpr int STAGES = 2;
+constexpr int ATOMS = D / 64;
+constexpr int THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2, DS_BYTES = 64 * BM * 2;
+static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
+static_assert(D == 64 || D == 128, "head dims 64 and 128 (registers: dK and dV are 2 x D / 2 per thread)");
+
+struct Smem {
+    alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
+    alignas(1024) unsigned char v[KV_BYTES];
+    alignas(1024) unsigned char q[STAGES][QB_BYTES];  // ATOMS atoms of [BM][64]
+    alignas(1024) unsigned char dout[STAGES][QB_BYTES];
+    alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle
+    u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
+};
+static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
+
+constexpr int DS_BAR = 1;  // + consumer: the 128 threads of one consumer warpgroup
+
+__device__ __forceinline__ void load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
+                                           int head, int batch) {
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
+}
+
+// X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
+// a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
+__device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const int atom = kk / 4, step = kk % 4;
+        const u64 da = wgmma_desc_advance(wgmma_desc(x_rows + atom * BN * 128), 32 * step);
+        const u64 db = wgmma_desc_advance(wgmma_desc(y + atom * BM * 128), 32 * step);
+        wgmma_ss<BM, 0>(acc, da, db, kk > 0);
+    }
+    wgmma_commit();
+}
+
+// acc (64 keys x D) += A (64 keys x BM queries, registers) Y (BM x D, read MN-major from [BM][D] atoms).
+__device__ __forceinline__ void issue_acc_ay(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], const unsigned char* y) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<D, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
+}
+
+// fp32 accumulator pairs -> 16-bit A fragments (as the forward's pack_p).
+__device__ __forceinline__ void pack(const float (&x)[BM / 2], u32 (&a)[BM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[kk][r] = elem_t::pack2(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+}
+
+// Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
+struct Lane {
+    int w, g, q4;
+};
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    fa3_bwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+            const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
+            const Fa3BwdParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+
+    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    const int group = p.heads / p.kv_heads;
+    const int warpgroup = threadIdx.x / 128;
+    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    int m_lo, m_hi;
+    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+
+    if (threadIdx.x == 0) {
+        mbar_init(&sm.kv_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&sm.qd_full[s], 1);
+            mbar_init(&sm.qd_empty[s], CONSUMER_WARPS);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
+        regs_decrease<24>();
+        if (threadIdx.x != 0 || m_lo == m_hi) return;
+        mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
+        load_atoms(sm.k, BN, &map_k, &sm.kv_full, n_block * BN, kv_head, batch);
+        load_atoms(sm.v, BN, &map_v, &sm.kv_full, n_block * BN, kv_head, batch);
+        int i = 0;
+        for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            for (int m = m_lo; m < m_hi; ++m, ++i) {
+                const int s = i % STAGES;
+                mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
+                mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES);
+                load_atoms(sm.q[s], BM, &map_q, &sm.qd_full[s], m * BM, h, batch);
+                load_atoms(sm.dout[s], BM, &map_do, &sm.qd_full[s], m * BM, h, batch);
+            }
+        }
+        return;
+    }
+
+    // ------------------------------------------------------------------------------------- consumers
+    regs_increase<240>();
+    const int c = warpgroup - 1;  // which 64 keys of the block
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const Lane ln{t / 32, lane / 4, lane % 4};
+    const int key_lo = n_block * BN + c * 64 + 16 * ln.w + ln.g;  // this thread's keys: key_lo, key_lo + 8
+
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int j = 0; j < D / 2; ++j) dk[j] = dv[j] = 0.f;
+
+    if (m_lo < m_hi) {
+        const unsigned char* k_rows = sm.k + c * 64 * 128;  // this consumer's 64 rows of every K / V atom
+        const unsigned char* v_rows = sm.v + c * 64 * 128;
+        unsigned char* ds = sm.ds[c];
+        mbar_wait(&sm.kv_full, 0);
+        int i = 0;
+        for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            const i64 row_base = i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride;  // LSE, D
+            for (int m = m_lo; m < m_hi; ++m, ++i) {
+                const int s = i % STAGES;
+                mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
+                float st[BM / 2], dpt[BM / 2];
+                issue_xyt(st, k_rows, sm.q[s]);
+                issue_xyt(dpt, v_rows, sm.dout[s]);
+
+                // Per query column: lse in log2 units (+inf where no probability flows: rows past the end,
+                // rows that saw no key) and D.
+                float lse2[BM / 8][2], dsum[BM / 8][2];
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int row = m * BM + 8 * j + 2 * ln.q4 + e;
+                        const float l = row < p.seqlen_q ? p.lse[row_base + row] : neg_inf();
+                        lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
+                        dsum[j][e] = row < p.seqlen_q ? p.dsum[row_base + row] : 0.f;
+                    }
+                const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
+
+                wgmma_wait<1>();  // S^T
+                wgmma_fence_regs(st);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
+                        float& x = st[4 * j + e];
+                        x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
+                        if (edge && !mask.visible(row, key)) x = 0.f;
+                    }
+                wgmma_wait<0>();  // dP^T
+                wgmma_fence_regs(dpt);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - dsum[j][e % 2]);
+
+                u32 pa[BM / 16][4], dsa[BM / 16][4];
+                pack(st, pa);
+                pack(dpt, dsa);
+                wgmma_fence();
+                issue_acc_ay(dv, pa, sm.dout[s]);
+                issue_acc_ay(dk, dsa, sm.q[s]);
+                wgmma_commit();
+
+                // dS^T to shared memory for dQ (the previous step's dQ GEMM has finished reading it: every
+                // warp waited for it; the barrier makes that true for the whole warpgroup).
+                named_sync(DS_BAR + c, 128);
+#pragma unroll
+                for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                    for (int hh = 0; hh < 2; ++hh) {
+                        const int key = 16 * ln.w + ln.g + 8 * hh;
+                        *reinterpret_cast<u32*>(ds + key * 128 + ((j ^ (key % 8)) * 16) + 4 * ln.q4) =
+                            dsa[j / 2][2 * (j % 2) + hh];
+                    }
+                fence_async_smem();
+                named_sync(DS_BAR + c, 128);
+
+                wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
+                wgmma_fence_regs(dk);
+                wgmma_fence_regs(dv);
+                if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+
+                // dQ (BM x D) = dS (BM x 64 keys) K (64 keys x D), 64 columns (one atom of K) at a time to keep
+                // registers for dK and dV: A = dS^T read MN-major, B = K MN-major. Added to the fp32 dQ
+                // accumulator (rows = queries of head h) with atomics.
+                float* dq_rows = p.dq_accum + (row_base + m * BM) * D;
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a) {
+                    float dq[32];
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < 64 / 16; ++kk)
+                        wgmma_ss_mn<64>(dq, wgmma_desc_mn(ds + kk * 16 * 128, 64 * 128),
+                                        wgmma_desc_mn(k_rows + a * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(dq);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int r = 16 * ln.w + ln.g + 8 * (e / 2), col = a * 64 + 8 * j + 2 * ln.q4 + e % 2;
+                            if (m * BM + r < p.seqlen_q) atomicAdd(dq_rows + i64(r) * D + col, dq[4 * j + e]);
+                        }
+                }
+            }
+        }
+    }
+
+    // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_lo + 8 * r;
+        if (key >= p.seqlen_k) continue;
+        u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + key * p.dk_row_stride;
+        u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + key * p.dv_row_stride;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            const int col = 8 * j + 2 * ln.q4;
+            *reinterpret_cast<u32*>(dk_row + col) = elem_t::pack2(dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<u32*>(dv_row + col) = elem_t::pack2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+}
