@@ -13,7 +13,7 @@ export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
-risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py"
+risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py tests/test_bench_gpu.py"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -32,8 +32,9 @@ for stage in "${stages[@]}"; do
         > "$OUT/pytest-gpu.log" 2>&1 || status=1
       grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log" ;;
     risky)
-      # Kernels that can hang (mbarrier waits) or fault (code new to the GPU) run in their own processes,
-      # each under a timeout, so one bad kernel cannot take the rest of the tier with it.
+      # Kernels that can hang (mbarrier waits) or fault (code new to the GPU), and the files that run every
+      # available family (streams/graphs, bench), run in their own processes, each under a timeout, so one
+      # bad kernel cannot take the rest of the tier with it.
       for f in $risky; do
         name=$(basename "$f" .py)
         timeout ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
