@@ -31,7 +31,7 @@ VARIANT_SOURCES = {
 }
 
 # Opcodes that show a kernel uses the hardware it was written for.
-OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "USETMAXREG")
+OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG")
 # ptxas advisories that mean a wgmma got serialised (the kernel then runs far below its design).
 SERIALISING_ADVISORIES = ("C7517", "C7510", "wgmma.wait_group", "serialized", "serialised")
 

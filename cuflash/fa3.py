@@ -66,14 +66,20 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
+# dQ into the fp32 accumulator by TMA reduce-add through shared memory (True) or by atomics (False, the
+# first version; kept as a switch while the reduce-add path is new: tests run both).
+BWD_DQ_TMA = True
 
 
-def bwd_variant(headdim: int, dtype: str) -> Variant:
+def bwd_variant(headdim: int, dtype: str, dq_tma: bool | None = None) -> Variant:
+    dq_tma = BWD_DQ_TMA if dq_tma is None else dq_tma
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + 8 * 5 + 2048  # + barriers, + alignment slack
+    dq_bytes = 2 * BWD_BLOCK_M * headdim * 4 if dq_tma else 1024 + 32
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + 8 * 5 + 2048  # + barriers, + alignment slack
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SMEM_BYTES", smem)),
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_DQ_TMA", int(dq_tma)),
+         ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -83,7 +89,7 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
         return []
     fwd = [fwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
-    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS]
+    return fwd + [bwd_variant(d, dtype, dq_tma) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for dq_tma in (True, False)]
 
 
 def _tensor_map(a, rows_per_box: int):
@@ -139,7 +145,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
     variant = bwd_variant(dims.headdim, dims.dtype)
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
-            _tensor_map(dout, BWD_BLOCK_M))
+            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims))
     p = np.zeros(1, BWD_PARAMS)
     for name, a in (("lse", lse), ("dsum", dsum), ("dq_accum", dq_accum), ("dk", dk), ("dv", dv)):
         p[name] = a.data.ptr
@@ -151,3 +157,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+
+
+
+def _dq_accum_map(dq_accum, dims: Dims):
+    """The fp32 dQ accumulator (batch, heads, seqlen_q, d) as a 3-D map (d, seqlen_q, batch x heads) with
+    64-row x 32-column boxes in the 128-byte swizzle, for the backward's reduce-adds."""
+    d, rows = dims.headdim, dims.seqlen_q
+    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, dims.batch * dims.heads), (d * 4, rows * d * 4),
+                             (32, BWD_BLOCK_M, 1), swizzle=128)

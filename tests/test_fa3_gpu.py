@@ -159,23 +159,30 @@ def test_auto_picks_fa3_for_varlen():
 BWD_HEADDIMS = (64, 128)
 
 
+@pytest.fixture(params=[True, False], ids=["dq_reduce_add", "dq_atomics"])
+def dq_path(request, monkeypatch):
+    """Both ways of adding dQ into the fp32 accumulator (cuflash.fa3.BWD_DQ_TMA)."""
+    monkeypatch.setattr(cuflash.fa3, "BWD_DQ_TMA", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("d", BWD_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(113, 239), (239, 113), (1, 300), (300, 1), (1023, 1023)])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])
-def test_backward(poison_allocations, d, causal, seqlens, heads):
+def test_backward(poison_allocations, dq_path, d, causal, seqlens, heads):
     q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, *heads, d, "bfloat16")
     check_backward("fa3", q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("d", BWD_HEADDIMS)
 @pytest.mark.parametrize("window", [(32, 0), (17, 40), (-1, 5)])
-def test_backward_window(poison_allocations, d, window):
+def test_backward_window(poison_allocations, dq_path, d, window):
     q, k, v = _inputs(np.random.default_rng(), 2, 239, 300, 4, 2, d, "bfloat16")
     check_backward("fa3", q, k, v, window_size=window)
 
 
-def test_backward_fp16_and_strided(poison_allocations):
+def test_backward_fp16_and_strided(poison_allocations, dq_path):
     import cupy
 
     qkv = cupy.asarray(np.random.default_rng().standard_normal((2, 177, 3, 4, 128), dtype=np.float32)).astype("float16")

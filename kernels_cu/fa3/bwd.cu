@@ -10,12 +10,13 @@
 //       P^T  = 2^(S^T c - lse log2 e),  dS^T = P^T o (dP^T - D)        (registers; D = rowsum(dO o O))
 //       dV  += P^T dO,  dK += dS^T Q           (P^T, dS^T fed from registers; dO, Q read MN-major)
 //       dQ   = dS K over its 64 keys           (dS^T through shared memory; both operands MN-major),
-//     added to the fp32 dQ accumulator with atomics (common/bwd_aux.cu zeroes it first, converts it last).
+//     added to the fp32 dQ accumulator (common/bwd_aux.cu zeroes it first, converts it last): with
+//     DQ_TMA through shared memory and one TMA reduce-add per 32-column box, else with atomics.
 //   At the end dK (times the softmax scale) and dV are stored from registers.
-// Not yet: softcap, varlen, dropout, a persistent schedule, dQ by TMA reduce-add instead of atomics,
-// overlap between the consumers (bench/NOTES.md).
+// Not yet: softcap, varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SMEM_BYTES.
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_DQ_TMA (0/1),
+// CUFLASH_SMEM_BYTES.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -28,7 +29,9 @@ constexpr int STAGES = 2;
 constexpr int ATOMS = D / 64;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
+constexpr bool DQ_TMA = CUFLASH_DQ_TMA;
 constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2, DS_BYTES = 64 * BM * 2;
+constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D == 64 || D == 128, "head dims 64 and 128 (registers: dK and dV are 2 x D / 2 per thread)");
 
@@ -38,6 +41,7 @@ struct Smem {
     alignas(1024) unsigned char q[STAGES][QB_BYTES];  // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char dout[STAGES][QB_BYTES];
     alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle
+    alignas(1024) unsigned char dq[2][DQ_TMA ? D / 32 * DQ_BOX_BYTES : 16];  // per consumer: dQ boxes
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
@@ -86,7 +90,7 @@ struct Lane {
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_bwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
-            const Fa3BwdParams p) {
+            const __grid_constant__ TensorMap map_dq, const Fa3BwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
 
@@ -212,9 +216,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
 
                 // dQ (BM x D) = dS (BM x 64 keys) K (64 keys x D), 64 columns (one atom of K) at a time to keep
-                // registers for dK and dV: A = dS^T read MN-major, B = K MN-major. Added to the fp32 dQ
-                // accumulator (rows = queries of head h) with atomics.
-                float* dq_rows = p.dq_accum + (row_base + m * BM) * D;
+                // registers for dK and dV: A = dS^T read MN-major, B = K MN-major.
+                if (DQ_TMA && t == 0) tma_store_wait_read();  // the last step's reduce has read sm.dq
+                if (DQ_TMA) named_sync(DS_BAR + c, 128);
 #pragma unroll
                 for (int a = 0; a < ATOMS; ++a) {
                     float dq[32];
@@ -226,16 +230,46 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     wgmma_commit();
                     wgmma_wait<0>();
                     wgmma_fence_regs(dq);
+                    if constexpr (DQ_TMA) {
+                        // Into sm.dq as the dQ tensor map's boxes (64 rows x 32 fp32, 128-byte swizzle: 16-byte
+                        // chunk c of row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
 #pragma unroll
-                    for (int j = 0; j < 8; ++j)
+                        for (int j = 0; j < 8; ++j)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int r = 16 * ln.w + ln.g + 8 * (e / 2), col = a * 64 + 8 * j + 2 * ln.q4 + e % 2;
-                            if (m * BM + r < p.seqlen_q) atomicAdd(dq_rows + i64(r) * D + col, dq[4 * j + e]);
-                        }
+                            for (int hh = 0; hh < 2; ++hh) {
+                                const int r = 16 * ln.w + ln.g + 8 * hh, box = 2 * a + j / 4;
+                                const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
+                                *reinterpret_cast<float2*>(sm.dq[c] + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
+                                                           8 * (ln.q4 % 2)) =
+                                    make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                            }
+                    } else {
+                        float* dq_rows = p.dq_accum + (row_base + m * BM) * D;
+#pragma unroll
+                        for (int j = 0; j < 8; ++j)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int r = 16 * ln.w + ln.g + 8 * (e / 2), col = a * 64 + 8 * j + 2 * ln.q4 + e % 2;
+                                if (m * BM + r < p.seqlen_q) atomicAdd(dq_rows + i64(r) * D + col, dq[4 * j + e]);
+                            }
+                    }
+                }
+                if constexpr (DQ_TMA) {
+                    // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
+                    // seqlen_q fall out of bounds instead of into the next head.
+                    fence_async_smem();
+                    named_sync(DS_BAR + c, 128);
+                    if (t == 0) {
+#pragma unroll
+                        for (int box = 0; box < D / 32; ++box)
+                            tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, box * 32, m * BM,
+                                              batch * p.heads + h);
+                        tma_store_commit();
+                    }
                 }
             }
         }
+        if (DQ_TMA && t == 0) tma_store_wait_read();  // shared memory must outlive the reduces' reads
     }
 
     // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored.
