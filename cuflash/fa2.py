@@ -15,7 +15,7 @@ from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, smem_tile_bytes, stride_fields)
 from ._validate import Dims
-from .heuristics import FA2_BWD_TILES, FA2_TILES
+from .heuristics import FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_TILES
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
@@ -76,12 +76,19 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     )
 
 
+def bwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False):
+    """The tiles of a backward variant: FA2_BWD_TILES_PLAIN's row when no feature needs extra registers."""
+    if not (softcap or alibi or dropout) and headdim in FA2_BWD_TILES_PLAIN:
+        return FA2_BWD_TILES_PLAIN[headdim]
+    return FA2_BWD_TILES[headdim]
+
+
 def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
     """The deterministic mode is a run-time choice of the same variant (a dQ semaphore array or none)."""
-    t = FA2_BWD_TILES[headdim]
+    t = bwd_tiles(headdim, softcap, alibi, dropout)
     sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
     smem = (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
-            + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n))
+            + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n) + 2 * t.q_stages * t.block_m * 4)  # + LSE, D rows
     return Variant(
         FAMILY,
         "fa2/bwd.cu",
@@ -161,7 +168,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     cu_q, cu_k = cu_seqlens or (None, None)
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 
-    t = FA2_BWD_TILES[dims.headdim]
+    t = bwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, dropout is not None)
     q_blocks = (dims.seqlen_q + t.block_m - 1) // t.block_m
     semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None

@@ -84,6 +84,16 @@ FA2_BWD_TILES = {
     256: Fa2BwdTiles(64, 32, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=2, q_split=2),
 }
 
+# Overrides for the variants without softcap, ALiBi or dropout (those features cost 10-30 registers): at
+# d <= 64 the plain variant computes each warp's 32 x 32 S / dP tile in one chunk (0.156 instead of 0.181
+# bytes of shared memory per MAC: bench/NOTES.md, "FA2 backward: static analysis"); 232 registers with
+# NVRTC 13.5, 226 with 13.0, no spills. Same BLOCK_M / BLOCK_N as the general row, so the grid does not
+# change. Tried and rejected (spills): d = 128 with BLOCK_N = 128 (FA2's 64 x 128; 13.0 spills even
+# plain), d = 256 with BLOCK_N = 64 (13.0 spills 72 bytes even plain).
+FA2_BWD_TILES_PLAIN = {
+    64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
+}
+
 
 @dataclass(frozen=True)
 class Fa3Tiles:

@@ -22,6 +22,13 @@
 // CUFLASH_DTYPE, CUFLASH_SOFTCAP, CUFLASH_ALIBI, CUFLASH_DROPOUT (the forward's mask, regenerated: dV
 // uses the dropped P, dS = P o (dropped dP - D)). The deterministic mode is chosen at run time: a
 // dq_semaphore array turns it on.
+//
+// Per Q block the main loop is shared-memory bound before it is tensor bound (bench/NOTES.md, "FA2
+// backward: static analysis"): every ldmatrix feeds a warp tile, so the tiles are as large as the
+// registers allow, and the loop carries as little else as possible: the Q/dO copies are unrolled at
+// compile time, LSE and D arrive by cp.async with Q/dO (no global-load latency after the barrier), the
+// per-element mask test exists only in the copy of the P/dS code that edge tiles run, and the dQ
+// atomics are 8-byte vector reductions on sm_90.
 #include "common/mask.cuh"
 #include "common/philox.cuh"
 #include "common/ptx.cuh"
@@ -60,7 +67,62 @@ struct Smem {
     FastSmemTile<BM, D> dout[QSTAGES];
     FastSmemTile<BM, BN> p;   // P (rows = queries)
     FastSmemTile<BM, BN> ds;  // dS (rows = queries)
+    float lse[QSTAGES][BM];   // the Q block's LSE and D rows, copied with its Q / dO (past the end: zeros,
+    float dsum[QSTAGES][BM];  // replaced by +inf / 0 when read)
 };
+
+template <bool B>
+struct BoolConst {
+    static constexpr bool value = B;
+};
+
+// cp.async of a whole tile with a compile-time trip count. The common load_tile_async loop starts at
+// threadIdx.x, so ptxas keeps it as a run-time loop plus a remainder loop (~130 instructions per tile);
+// here each thread owns one 16-byte column chunk and walks rows THREADS / CHUNKS apart, so the loop
+// unrolls into one cp.async, one row test and one pointer add per step. Tiles whose chunk count does not
+// divide the block (d = 96, 192) keep the common loop.
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ void load_tile_unrolled(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
+                                                   int rows_valid) {
+    constexpr int CHUNKS = COLS / 8;
+    if constexpr (THREADS % CHUNKS != 0) {
+        load_tile_async<THREADS>(tile, src, row_stride, rows_valid);
+    } else {
+        constexpr int STEP = THREADS / CHUNKS;  // rows apart between one thread's chunks
+        constexpr int STEPS = (ROWS + STEP - 1) / STEP;
+        // The swizzle depends on row % 8 only, so with STEP % 8 == 0 every step is the first plus a constant.
+        constexpr bool AFFINE = !SW || STEP % 8 == 0;
+        const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+        const u16* s = src + r0 * row_stride + c;
+        u16* d0 = tile.at(r0, c);
+#pragma unroll
+        for (int it = 0; it < STEPS; ++it) {
+            const int r = r0 + it * STEP;
+            if (ROWS % STEP != 0 && r >= ROWS) break;
+            const bool in = r < rows_valid;
+            u16* d = AFFINE ? d0 + it * STEP * SmemTile<ROWS, COLS, SW>::PITCH : tile.at(r, c);
+            cp_async_16(d, in ? s : src, in ? 16 : 0);
+            s += STEP * row_stride;
+        }
+    }
+}
+
+// 4-byte cp.async (for the fp32 LSE / D rows, whose start is only 4-byte aligned with packed sequences);
+// src_bytes = 0 writes a zero.
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes));
+}
+
+// dst[0..1] += (a, b) in global memory, relaxed, device scope (what atomicAdd does). sm_90 has an 8-byte
+// vector reduction: half the instructions and half the L2 atomic requests of two scalar atomicAdds.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(dst, a);
+    atomicAdd(dst + 1, b);
+#endif
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -95,18 +157,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
 
     auto load_item = [&](int item, int stage) {
         const int hq = kv_head * group + item / m_count, row0 = (m_lo + item % m_count) * BM;
-        load_tile_async<THREADS>(sm.q[stage], q_base + hq * p.q_head_stride + row0 * p.q_row_stride, p.q_row_stride,
-                                 seq.seqlen_q - row0);
-        load_tile_async<THREADS>(sm.dout[stage], do_base + hq * p.do_head_stride + row0 * p.do_row_stride,
-                                 p.do_row_stride, seq.seqlen_q - row0);
+        load_tile_unrolled(sm.q[stage], q_base + hq * p.q_head_stride + row0 * p.q_row_stride, p.q_row_stride,
+                           seq.seqlen_q - row0);
+        load_tile_unrolled(sm.dout[stage], do_base + hq * p.do_head_stride + row0 * p.do_row_stride, p.do_row_stride,
+                           seq.seqlen_q - row0);
+        // LSE and D of the block's rows (threads [0, BM) and [BM, 2 BM)); rows past the end become zeros.
+        const i64 rows = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start + row0;
+#pragma unroll
+        for (int i0 = 0; i0 < 2 * BM; i0 += THREADS) {
+            const int i = i0 + threadIdx.x, r = i % BM;
+            if (2 * BM % THREADS != 0 && i >= 2 * BM) break;
+            const bool in = r < seq.seqlen_q - row0;
+            const float* src = (i < BM ? p.lse : p.dsum) + (in ? rows + r : 0);
+            cp_async_4(i < BM ? &sm.lse[stage][r] : &sm.dsum[stage][r], src, in ? 4 : 0);
+        }
     };
     if (items > 0) {
-        load_tile_async<THREADS>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                                           (i64(seq.k_start) + key0) * p.k_row_stride,
-                                 p.k_row_stride, seq.seqlen_k - key0);
-        load_tile_async<THREADS>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                                           (i64(seq.k_start) + key0) * p.v_row_stride,
-                                 p.v_row_stride, seq.seqlen_k - key0);
+        load_tile_unrolled(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                                     (i64(seq.k_start) + key0) * p.k_row_stride,
+                           p.k_row_stride, seq.seqlen_k - key0);
+        load_tile_unrolled(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                                     (i64(seq.k_start) + key0) * p.v_row_stride,
+                           p.v_row_stride, seq.seqlen_k - key0);
         if constexpr (QSTAGES == 2) load_item(0, 0);
         cp_async_commit();
     }
@@ -114,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     for (int item = 0; item < items; ++item) {
         const int stage = QSTAGES == 2 ? item & 1 : 0;
         const int hq = kv_head * group + item / m_count, m = m_lo + item % m_count, row0 = m * BM;
-        const i64 row_base = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start;  // lse, dsum, dq_accum
+        const i64 row_base = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start;  // dq_accum rows
         float alibi = 0.f;
         if constexpr (ALIBI) alibi = p.alibi_slopes[hq] * 1.44269504088896341f / p.scale_log2;
 
@@ -123,34 +195,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
             load_item(item, 0);
             cp_async_commit();
         }
-        cp_async_wait<0>();  // K, V and this Q block's Q / dO have landed
+        cp_async_wait<0>();  // K, V and this Q block's Q / dO / LSE / D have landed
         __syncthreads();     // ... for every thread; and P / dS of the previous block are consumed
         if constexpr (QSTAGES == 2) {
             if (item + 1 < items) load_item(item + 1, stage ^ 1);
             cp_async_commit();
         }
 
-        // This thread's rows of the S layout: lse (in log2 units) and D, +inf / 0 past the end so P = 0.
+        // This thread's rows of the S layout: lse (in log2 units) and D; +inf / 0 past the end (and lse
+        // +inf for a row that saw no key) so that P = 0 there.
         float lse2[S_ROWS / 16][2], dsum[S_ROWS / 16][2];
 #pragma unroll
         for (int mi = 0; mi < S_ROWS / 16; ++mi)
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                const int row = row0 + s_row0 + mi * 16 + g + 8 * r;
-                const float l = row < seq.seqlen_q ? p.lse[row_base + row] : neg_inf();
-                lse2[mi][r] = l == neg_inf() ? -neg_inf() : l * 1.44269504088896341f;
-                dsum[mi][r] = row < seq.seqlen_q ? p.dsum[row_base + row] : 0.f;
+                const int r_in = s_row0 + mi * 16 + g + 8 * r;
+                const bool in = row0 + r_in < seq.seqlen_q;
+                const float l = sm.lse[stage][r_in];
+                lse2[mi][r] = !in || l == neg_inf() ? -neg_inf() : l * 1.44269504088896341f;
+                dsum[mi][r] = in ? sm.dsum[stage][r_in] : 0.f;
             }
 
-        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m, n_block);
-#pragma unroll
-        for (int chunk = 0; chunk < S_SPLIT; ++chunk) {
-            const int s_col0 = s_col_base + chunk * S_COLS;
-            float s[S_ROWS / 16][S_COLS / 8][4], dp[S_ROWS / 16][S_COLS / 8][4];
-            zero(s);
-            zero(dp);
-            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, sm.q[stage], s_row0, 0, sm.k, s_col0, 0, lane);
-            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, sm.dout[stage], s_row0, 0, sm.v, s_col0, 0, lane);
+        // P and dS of one warp chunk to shared memory. MASKED: the tile crosses a mask edge (or the end of
+        // the keys / rows) and each element is tested; the other instance, which most tiles run, has no
+        // per-element test at all (a test costs ~4 issue slots per element even when its branch is not taken).
+        auto store_p_ds = [&](auto masked, const float(&s)[S_ROWS / 16][S_COLS / 8][4],
+                              const float(&dp)[S_ROWS / 16][S_COLS / 8][4], int s_col0) {
+            constexpr bool MASKED = decltype(masked)::value;
 #pragma unroll
             for (int mi = 0; mi < S_ROWS / 16; ++mi) {
                 u32 keep = ~0u;  // dropout keep bits of the current 16 x 16 block (common/philox.cuh)
@@ -173,8 +244,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                                 dtanh = 1.f - x * x;
                             }
                             if constexpr (ALIBI) x -= alibi * fabsf(float(row + mask.diag() - col));
-                            const bool vis = !needs_mask || mask.visible(row, col);
-                            const float prob = vis ? fast_exp2(x * p.scale_log2 - lse2[mi][half]) : 0.f;
+                            float prob = fast_exp2(x * p.scale_log2 - lse2[mi][half]);
+                            if constexpr (MASKED) prob = mask.visible(row, col) ? prob : 0.f;
                             float dpv = dp[mi][ni][2 * half + e];
                             pv[e] = prob;
                             if constexpr (DROPOUT) {
@@ -189,6 +260,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                     }
                 }
             }
+        };
+
+        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m, n_block);
+#pragma unroll
+        for (int chunk = 0; chunk < S_SPLIT; ++chunk) {
+            const int s_col0 = s_col_base + chunk * S_COLS;
+            float s[S_ROWS / 16][S_COLS / 8][4], dp[S_ROWS / 16][S_COLS / 8][4];
+            zero(s);
+            zero(dp);
+            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, sm.q[stage], s_row0, 0, sm.k, s_col0, 0, lane);
+            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, sm.dout[stage], s_row0, 0, sm.v, s_col0, 0, lane);
+            if (needs_mask) store_p_ds(BoolConst<true>{}, s, dp, s_col0);
+            else store_p_ds(BoolConst<false>{}, s, dp, s_col0);
         }
         __syncthreads();  // P and dS complete
 
@@ -210,7 +294,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                 }
             __syncthreads();
         }
-        // dQ_i += dS K (K stored [key][d] is k-major for this product), one column chunk at a time.
+        // dQ_i += dS K (K stored [key][d] is k-major for this product), one column chunk at a time. A lane
+        // holds two adjacent columns of each row: one 8-byte reduction.
 #pragma unroll
         for (int chunk = 0; chunk < Q_SPLIT; ++chunk) {
             const int q_col0 = q_col_base + chunk * Q_COLS;
@@ -225,10 +310,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
                     if (row >= seq.seqlen_q) continue;
                     float* dst = p.dq_accum + (row_base + row) * D + q_col0 + 2 * t;
 #pragma unroll
-                    for (int ni = 0; ni < Q_COLS / 8; ++ni) {
-                        atomicAdd(dst + ni * 8, dq[mi][ni][2 * r]);
-                        atomicAdd(dst + ni * 8 + 1, dq[mi][ni][2 * r + 1]);
-                    }
+                    for (int ni = 0; ni < Q_COLS / 8; ++ni) red_add2(dst + ni * 8, dq[mi][ni][2 * r], dq[mi][ni][2 * r + 1]);
                 }
         }
         if (deterministic) {

@@ -1,0 +1,83 @@
+"""Time FA2 backward tile configurations against each other and torch's flash backward in one run.
+
+    python scripts/tune_fa2_bwd.py [64 128 256]      # head dims (default: all in CANDIDATES)
+
+For each head dim, N = 2048 and 8192 (16k tokens, hidden 2048, bf16), causal and not: torch flash's
+backward (SDPA FLASH_ATTENTION backend, autograd.grad) once, then cuflash's FA2 backward for every
+candidate Fa2BwdTiles, each line with its registers / spill bytes from this machine's NVRTC (a candidate
+that spills still runs; the table must not take it). TF/s by the bwd convention (2.5 x 4 B H N^2 d, halved
+when causal). Pick the fastest spill-free row per head dim and put it in heuristics.FA2_BWD_TILES (or
+FA2_BWD_TILES_PLAIN when only the plain variant fits in registers).
+"""
+import sys
+
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash import fa2, heuristics
+from cuflash._jit import compile_variant
+from cuflash.bench import time_fn
+from cuflash.compile_report import parse_ptxas_log
+
+T = heuristics.Fa2BwdTiles
+# (block_m, block_n, warps, q_stages, warps_s_m, warps_kv_n, warps_q_m, s_split, q_split); first = the table's.
+CANDIDATES = {
+    64: [T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1), T(128, 128, 8, 2, 4, 4, 4, 2, 1),
+         T(128, 128, 8, 2, 4, 4, 4, 1, 1)],
+    128: [T(64, 64, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1),
+          T(128, 64, 8, 2, 4, 2, 4, 1, 1)],
+    256: [T(64, 32, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 4),
+          T(64, 32, 8, 2, 4, 2, 2, 1, 2)],
+}
+SEQLENS = (2048, 8192)
+REPS = 20
+
+
+def torch_flash_bwd_ms(q, k, v, dout, causal):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv, tdo = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
+    tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        return time_fn(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True), 3, REPS)
+
+
+def use(d, tiles):
+    """Make every FA2 backward variant of head dim d take ``tiles``; returns (registers, spill bytes)."""
+    heuristics.FA2_BWD_TILES[d] = tiles  # the same dicts fa2.py reads
+    heuristics.FA2_BWD_TILES_PLAIN.pop(d, None)
+    cc = cupy.cuda.Device().compute_capability
+    v = fa2.bwd_variant(d, "bfloat16")
+    info = parse_ptxas_log(compile_variant(v, "sm_90a" if cc == "90" else f"sm_{cc}").log, v.kernel)
+    return info["regs"], info["spill_bytes"]
+
+
+def main():
+    rng = np.random.default_rng(0)
+    dims = [int(a) for a in sys.argv[1:]] or sorted(CANDIDATES)
+    for d in dims:
+        for n in SEQLENS:
+            b, h = 16384 // n, 2048 // d
+            q, k, v, dout = (cupy.asarray(rng.standard_normal((b, n, h, d), dtype=np.float32)).astype("bfloat16")
+                             for _ in range(4))
+            for causal in (False, True):
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                torch_ms = torch_flash_bwd_ms(q, k, v, dout, causal)
+                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="fa2")
+                for tiles in CANDIDATES[d]:
+                    regs, spill = use(d, tiles)
+                    ms = time_fn(lambda: cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                     impl="fa2"), 3, REPS)
+                    cfg = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.warps, tiles.q_stages,
+                                                    tiles.warps_s_m, tiles.warps_kv_n, tiles.warps_q_m,
+                                                    tiles.s_split, tiles.q_split))
+                    print(f"d={d} N={n} causal={causal!s:5} ({cfg}) regs {regs} spill {spill}: "
+                          f"fa2 bwd {flops / ms / 1e9:5.0f} TF/s | torch flash {flops / torch_ms / 1e9:5.0f}"
+                          f" | x{torch_ms / ms:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
