@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [STAGE...]   stages: warm (compile every variant, all cores), tests, risky (the
 #                                     kernels that could hang, each in its own process), bench, long (64k
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
-# Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file). Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
+# Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
+# Bench suites: SUITES (default "prefill backward decode"). Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -42,7 +43,7 @@ for stage in "${stages[@]}"; do
         echo "$name: $(grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -5)"; tail -1 "$OUT/$name.log"
       done ;;
     bench)
-      for suite in prefill backward; do
+      for suite in ${SUITES:-prefill backward decode}; do
         python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" --svg "$OUT/h200-$suite.svg" \
           ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$suite.log" | tail -60 || status=1
       done ;;
