@@ -4,7 +4,8 @@
 #                                     kernels that could hang, each in its own process), bench, long (64k
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
-# Bench suites: SUITES (default "prefill backward decode"). Extra pytest arguments: PYTEST_ARGS="-k fa1". Bench arguments: BENCH_ARGS.
+# Bench suites: SUITES (default "prefill backward decode"), their arguments BENCH_ARGS. Extra pytest
+# arguments: PYTEST_ARGS="-k fa1".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
