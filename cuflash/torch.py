@@ -93,7 +93,7 @@ import torch
 
 from . import api as _api
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "use_custom_op", "custom_op_enabled"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "use_custom_op", "custom_op_enabled"]
 
 _ENV_SWITCH = "CUFLASH_TORCH_CUSTOM_OP"
 _OFF_VALUES = ("0", "false", "off", "no")
@@ -102,6 +102,7 @@ FWD_OP_NAME = f"{_NAMESPACE}::flash_attn_fwd"
 BWD_OP_NAME = f"{_NAMESPACE}::flash_attn_bwd"
 VARLEN_FWD_OP_NAME = f"{_NAMESPACE}::flash_attn_varlen_fwd"
 VARLEN_BWD_OP_NAME = f"{_NAMESPACE}::flash_attn_varlen_bwd"
+KVCACHE_OP_NAME = f"{_NAMESPACE}::flash_attn_with_kvcache"
 _SEED_HIGH = 2 ** 63 - 1  # dropout seeds are drawn from [0, 2**63 - 1)
 
 
@@ -114,6 +115,7 @@ _fwd_op = None  # torch.ops.cuflash.flash_attn_fwd.default once registered
 _bwd_op = None  # torch.ops.cuflash.flash_attn_bwd.default once registered
 _varlen_fwd_op = None  # torch.ops.cuflash.flash_attn_varlen_fwd.default once registered
 _varlen_bwd_op = None  # torch.ops.cuflash.flash_attn_varlen_bwd.default once registered
+_kvcache_op = None  # torch.ops.cuflash.flash_attn_with_kvcache.default once registered
 
 
 # --------------------------------------------------------------------------------------------------
@@ -452,7 +454,49 @@ def _register_flash_attn_varlen() -> None:
     _varlen_fwd_op = torch.ops.cuflash.flash_attn_varlen_fwd.default
 
 
-_REGISTRATIONS = (_register_flash_attn, _register_flash_attn_varlen)
+def _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx, rotary_cos,
+             rotary_sin, rotary_interleaved, softmax_scale, causal, window_left, window_right, softcap, num_splits,
+             check):
+    """(out, lse) of cuflash.flash_attn_with_kvcache; ``cache_seqlens`` is the tensor, or None with the length
+    in ``cache_seqlens_int`` (custom-op schemas take one type per argument)."""
+    out, lse = _api.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens_int if cache_seqlens is None else cache_seqlens,
+        page_table=page_table, cache_batch_idx=cache_batch_idx, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, num_splits=num_splits, return_softmax_lse=True,
+        check=check)
+    return out, lse
+
+
+def _register_flash_attn_with_kvcache() -> None:
+    """cuflash::flash_attn_with_kvcache (-> out, lse): inference only (no autograd). It writes the new
+    tokens into k_cache and v_cache, so the schema declares them mutated."""
+    global _kvcache_op
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op(KVCACHE_OP_NAME, mutates_args=("k_cache", "v_cache"))
+    def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
+                                v: Optional[Tensor], cache_seqlens: Optional[Tensor], cache_seqlens_int: int,
+                                page_table: Optional[Tensor], cache_batch_idx: Optional[Tensor],
+                                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor], rotary_interleaved: bool,
+                                softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                                softcap: float, num_splits: int, check: bool) -> tuple[Tensor, Tensor]:
+        return _kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx,
+                        rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, causal, window_left, window_right,
+                        softcap, num_splits, check)
+
+    @flash_attn_with_kvcache.register_fake
+    def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_int, page_table, cache_batch_idx,
+                      rotary_cos, rotary_sin, rotary_interleaved, softmax_scale, causal, window_left, window_right,
+                      softcap, num_splits, check):
+        batch, seqlen_q, heads, headdim = q.shape
+        return q.new_empty((batch, seqlen_q, heads, headdim)), q.new_empty((batch, heads, seqlen_q),
+                                                                          dtype=torch.float32)
+
+    _kvcache_op = torch.ops.cuflash.flash_attn_with_kvcache.default
+
+
+_REGISTRATIONS = (_register_flash_attn, _register_flash_attn_varlen, _register_flash_attn_with_kvcache)
 _registered = False
 
 
@@ -595,6 +639,48 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         out, lse = _FlashAttnVarlenFunction.apply(*args)
     return (out, lse) if return_lse else out
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, page_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=False, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False, *, check=True):
+    """Attention of new queries over a KV cache on torch CUDA tensors (inference: no autograd), appending k
+    and v to the cache in place first: ``cuflash.flash_attn_with_kvcache`` (shapes, paged layout,
+    rotary, splits, ``check``). Positional order as flash-attn's (``page_table`` in the place of its
+    ``block_table``); ``cache_leftpad`` and ``alibi_slopes`` are not supported and must stay None, and
+    ``rotary_interleaved`` defaults to False (flash-attn: True). ``cache_seqlens`` is an int32 tensor
+    (batch,) or a Python int. Returns ``out`` like q, or ``(out, lse)`` with ``return_softmax_lse=True``
+    (lse (batch, heads, seqlen_q) float32). With the custom-op switch on, the call is
+    ``torch.ops.cuflash.flash_attn_with_kvcache`` (k_cache and v_cache declared mutated), so
+    ``torch.compile(fullgraph=True)`` traces it.
+    """
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad is not supported by cuflash: pass None (left-padded caches are not implemented)")
+    if alibi_slopes is not None:
+        raise ValueError("alibi_slopes is not supported by flash_attn_with_kvcache in cuflash: pass None")
+    softmax_scale, window_left, window_right, softcap = _common_options(softmax_scale, causal, window_size, softcap,
+                                                                        False)
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens is required: an int32 tensor (batch,) or a Python int")
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens_tensor, seqlens_int = cache_seqlens, 0
+    elif isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        seqlens_tensor, seqlens_int = None, int(cache_seqlens)
+    else:
+        raise TypeError(f"cache_seqlens must be an int32 tensor (batch,) or a Python int; got "
+                        f"{type(cache_seqlens).__name__}")
+    for name, value in (("rotary_interleaved", rotary_interleaved), ("return_softmax_lse", return_softmax_lse),
+                        ("check", check)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int (0 = choose); got {type(num_splits).__name__}")
+    args = (q, k_cache, v_cache, k, v, seqlens_tensor, seqlens_int, page_table, cache_batch_idx, rotary_cos,
+            rotary_sin, rotary_interleaved, softmax_scale, causal, window_left, window_right, softcap, int(num_splits),
+            check)
+    out, lse = _kvcache_op(*args) if _use_custom_op else _kvcache(*args)
+    return (out, lse) if return_softmax_lse else out
 
 
 if _switch_from_env():

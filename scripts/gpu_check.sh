@@ -15,7 +15,8 @@ export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
-risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py tests/test_bench_gpu.py"
+risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
+       tests/test_bench_gpu.py tests/test_adapters_gpu.py"
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -35,18 +36,23 @@ for stage in "${stages[@]}"; do
       grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log" ;;
     risky)
       # Kernels that can hang (mbarrier waits) or fault (code new to the GPU), and the files that run every
-      # available family (streams/graphs, bench), run in their own processes, each under a timeout, so one
-      # bad kernel cannot take the rest of the tier with it.
+      # available family (streams/graphs, bench, adapters), run in their own processes, each under a
+      # timeout, so one bad kernel cannot take the rest of the tier with it. One combined log comes back.
+      : > "$OUT/risky.log"
       for f in $risky; do
         name=$(basename "$f" .py)
+        echo "##### $name" >> "$OUT/risky.log"
         timeout ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
-          > "$OUT/$name.log" 2>&1 || status=1
-        echo "$name: $(grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -5)"; tail -1 "$OUT/$name.log"
+          > /tmp/risky-$name.log 2>&1 || status=1
+        cat /tmp/risky-$name.log >> "$OUT/risky.log"
+        echo "$name: $(grep -E "^(FAILED|ERROR)" /tmp/risky-$name.log | head -5)"; tail -1 /tmp/risky-$name.log
       done ;;
     bench)
+      # JSON per suite (bench/results/ takes them as they are) and one combined log; SVG with BENCH_SVG=1.
       for suite in ${SUITES:-prefill backward decode}; do
-        python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" --svg "$OUT/h200-$suite.svg" \
-          ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-$suite.log" | tail -60 || status=1
+        svg=(); [ -n "${BENCH_SVG:-}" ] && svg=(--svg "$OUT/h200-$suite.svg")
+        python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" ${svg[@]+"${svg[@]}"} ${BENCH_ARGS:-} 2>&1 \
+          | tee -a "$OUT/bench.log" | tail -60 || status=1
       done ;;
     long)
       # One sequence of 64k tokens: the naive attention needs a 64k x 64k score matrix per head (275 GB in

@@ -1290,3 +1290,83 @@ def test_available_impls_direction(monkeypatch):
     assert cuflash.available_impls("backward") == ["fa1", "fa2", "fa3"]
     monkeypatch.setattr(_device, "compute_capability", lambda device=None: (8, 0))
     assert cuflash.available_impls("forward") == ["fa1", "fa2"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuflash.torch.flash_attn_with_kvcache (inference: the plumbing; the GPU tier checks the numbers)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def kvcache_calls(monkeypatch):
+    """cuflash.torch with cuflash.flash_attn_with_kvcache replaced by a recorder returning zeros."""
+    torch = _torch()
+    import cuflash.torch as ct
+
+    calls = []
+
+    def fake(q, k_cache, v_cache, k=None, v=None, **kw):
+        calls.append(dict(kw, k=k, v=v))
+        b, s, h, _ = q.shape
+        return torch.zeros_like(q), torch.zeros(b, h, s, dtype=torch.float32)
+
+    monkeypatch.setattr(ct._api, "flash_attn_with_kvcache", fake)
+    previous = ct.use_custom_op(True)
+    yield ct, calls
+    ct.use_custom_op(previous)
+
+
+@pytest.mark.parametrize("custom_op", [True, False])
+@pytest.mark.parametrize("seqlens", ["tensor", "int"])
+def test_torch_kvcache_plumbing(kvcache_calls, custom_op, seqlens):
+    torch = _torch()
+    ct, calls = kvcache_calls
+    ct.use_custom_op(custom_op)
+    q = torch.randn(2, 1, 8, 16)
+    k_cache = v_cache = torch.zeros(2, 32, 2, 16)
+    cache_seqlens = torch.tensor([3, 5], dtype=torch.int32) if seqlens == "tensor" else 4
+    out, lse = ct.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True,
+                                          window_size=(7, 0), softcap=2.0, num_splits=3, return_softmax_lse=True,
+                                          check=False)
+    assert out.shape == q.shape and lse.shape == (2, 8, 1)
+    call = calls[-1]
+    assert call["causal"] is True and call["window_size"] == (7, 0) and call["softcap"] == 2.0
+    assert call["num_splits"] == 3 and call["check"] is False and call["return_softmax_lse"] is True
+    if seqlens == "tensor":
+        assert torch.equal(call["cache_seqlens"], cache_seqlens)
+    else:
+        assert call["cache_seqlens"] == 4
+    assert ct.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens).shape == q.shape
+
+
+def test_torch_kvcache_refuses_what_it_lacks(kvcache_calls):
+    torch = _torch()
+    ct, _ = kvcache_calls
+    q = torch.randn(1, 1, 2, 16)
+    cache = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="cache_leftpad"):
+        ct.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        ct.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="cache_seqlens is required"):
+        ct.flash_attn_with_kvcache(q, cache, cache)
+    with pytest.raises(TypeError, match="cache_seqlens must be"):
+        ct.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1.5)
+    with pytest.raises(TypeError, match="num_splits"):
+        ct.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, num_splits=True)
+
+
+def test_torch_kvcache_fake_implementation():
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import cuflash.torch as ct
+
+    ct.use_custom_op(True)
+    op = torch.ops.cuflash.flash_attn_with_kvcache.default
+    with FakeTensorMode():
+        q = torch.empty(3, 2, 8, 64, dtype=torch.bfloat16)
+        cache = torch.empty(3, 128, 2, 64, dtype=torch.bfloat16)
+        out, lse = op(q, cache, cache, None, None, None, 5, None, None, None, None, False, None, True, -1, -1, 0.0, 0,
+                      False)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        assert lse.shape == (3, 8, 2) and lse.dtype == torch.float32

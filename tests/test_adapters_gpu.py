@@ -218,6 +218,49 @@ def test_torch_opcheck(torch, ct):
     torch.library.opcheck(bwd, (dout, qd, kd, vd, out, lse, None, True, -1, -1, 0.0, None, "auto", False), **tol)
 
 
+@pytest.mark.parametrize("custom_op", [True, False], ids=["custom_op", "plain"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_torch_kvcache_matches_the_plain_api(torch, ct, custom_op, paged):
+    """cuflash.torch.flash_attn_with_kvcache: the same out/lse and the same in-place cache append as
+    cuflash.flash_attn_with_kvcache on copies of the inputs."""
+    ct.use_custom_op(custom_op)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+
+    b, h, hkv, d, page = 3, 8, 2, 128, 16
+    q, k_new, v_new = rand(b, 1, h, d), rand(b, 1, hkv, d), rand(b, 1, hkv, d)
+    seqlens = torch.tensor([0, 17, 40], dtype=torch.int32, device="cuda")
+    if paged:
+        cache_k, cache_v = rand(12, page, hkv, d), rand(12, page, hkv, d)
+        table = torch.randperm(12, device="cuda").to(torch.int32).reshape(b, 4)
+    else:
+        cache_k, cache_v, table = rand(b, 64, hkv, d), rand(b, 64, hkv, d), None
+    ck2, cv2 = cache_k.clone(), cache_v.clone()
+    out, lse = ct.flash_attn_with_kvcache(q, cache_k, cache_v, k_new, v_new, cache_seqlens=seqlens, page_table=table,
+                                          causal=True, return_softmax_lse=True)
+    want_out, want_lse = cuflash.flash_attn_with_kvcache(q, ck2, cv2, k_new, v_new, cache_seqlens=seqlens,
+                                                         page_table=table, causal=True, return_softmax_lse=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert torch.equal(cache_k, ck2) and torch.equal(cache_v, cv2)  # both appended the same token
+
+
+def test_torch_kvcache_opcheck(torch, ct):
+    gen = torch.Generator(device="cuda").manual_seed(2)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+
+    q, cache_k, cache_v = rand(2, 1, 4, 64), rand(2, 32, 2, 64), rand(2, 32, 2, 64)
+    k_new, v_new = rand(2, 1, 2, 64), rand(2, 1, 2, 64)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device="cuda")
+    op = torch.ops.cuflash.flash_attn_with_kvcache.default
+    torch.library.opcheck(op, (q, cache_k, cache_v, k_new, v_new, seqlens, 0, None, None, None, None, False, None,
+                               True, -1, -1, 0.0, 0, True), atol=2e-2, rtol=2e-2)
+
+
 def test_torch_compile_fullgraph(torch, ct):
     """A small attention block compiled with fullgraph=True (no graph break), forward and backward,
     against the same block run eagerly."""
