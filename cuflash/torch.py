@@ -32,6 +32,14 @@ impl="auto", deterministic=False, validate=True)``
     float32. ``validate=True`` checks the offsets on the host in the forward (a synchronisation); the
     backward never re-checks them (they are saved for backward, so autograd refuses offsets modified
     in place since the forward).
+``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, softmax_scale=None, causal=False,
+window_size=(-1, -1), softcap=0.0, rotary_interleaved=False, alibi_slopes=None, num_splits=0,
+return_softmax_lse=False, *, check=True)``
+    ``cuflash.flash_attn_with_kvcache`` on torch tensors (inference, no autograd): appends k/v to the
+    (contiguous or paged) cache in place, then attends; flash-attn's positional order, ``page_table``
+    standing for its ``block_table`` (``cache_leftpad`` and ``alibi_slopes`` must be None). As the custom
+    op ``cuflash::flash_attn_with_kvcache`` it declares k_cache and v_cache mutated.
 ``use_custom_op(enabled)``
     Switches the ``torch.library`` registration on or off for this process (returns the previous
     setting); ``custom_op_enabled()`` reads it.
