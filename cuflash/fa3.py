@@ -38,14 +38,14 @@ PARAMS = np.dtype(
 MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
-def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False) -> Variant:
     t = FA3_TILES[headdim]
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
     q_bytes, kv_bytes = BLOCK_M * padded * 2, t.block_n * padded * 2
     smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
     # O staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a sequence's end
     # fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
-    store_o_tma = not varlen and smem + q_bytes <= MAX_SMEM
+    store_o_tma = not varlen and not pack_gqa and smem + q_bytes <= MAX_SMEM
     if store_o_tma:
         smem += q_bytes
     else:
@@ -54,7 +54,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
          ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
-         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_SMEM_BYTES", smem)),
+         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -87,9 +87,28 @@ def bwd_variant(headdim: int, dtype: str, dq_tma: bool | None = None) -> Variant
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    fwd = [fwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in HEADDIMS
-           for softcap in (False, True) for varlen in (False, True)]
+    fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
+           for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
     return fwd + [bwd_variant(d, dtype, dq_tma) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for dq_tma in (True, False)]
+
+
+def pack_gqa(dims: Dims, varlen: bool) -> bool:
+    """Whether the forward packs the query heads of each GQA group into shared tiles: when that takes
+    fewer tiles (few query rows, e.g. speculative decoding or short chunks), for fixed-length batches and
+    groups that divide the 64 rows of a consumer warpgroup."""
+    group = dims.heads // dims.kv_heads
+    if varlen or group < 2 or 64 % group:
+        return False
+    return -(-dims.seqlen_q * group // BLOCK_M) < group * -(-dims.seqlen_q // BLOCK_M)
+
+
+def _packed_q_map(q, group: int):
+    """Q as (d, heads, seqlen, batch), innermost first, with (64, group, BLOCK_M / group) boxes: one box
+    is a tile of BLOCK_M (query, head) rows, the group's heads fastest."""
+    b, s, h, d = q.shape
+    strides = (q.strides[2], q.strides[1], q.strides[0])  # bytes: head, row, batch
+    return _tma.encode_tiled(q.data.ptr, dtype_name(q.dtype), (d, h, s, b), strides, (64, group, BLOCK_M // group, 1),
+                             swizzle=128)
 
 
 def _tensor_map(a, rows_per_box: int):
@@ -117,8 +136,11 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     """
     t = FA3_TILES[dims.headdim]
     cu_q, cu_k = cu_seqlens or (None, None)
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None)
-    map_q, map_k, map_v = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
+    pack = pack_gqa(dims, cu_q is not None)
+    group = dims.heads // dims.kv_heads
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack)
+    map_q = _packed_q_map(q, group) if pack else _tensor_map(q, BLOCK_M)
+    map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, BLOCK_M // 2)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
@@ -128,7 +150,10 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
-    tiles = (dims.seqlen_q + BLOCK_M - 1) // BLOCK_M * dims.heads * dims.batch
+    if pack:
+        tiles = -(-dims.seqlen_q * group // BLOCK_M) * dims.kv_heads * dims.batch
+    else:
+        tiles = -(-dims.seqlen_q // BLOCK_M) * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     launch(variant, grid, (map_q, map_k, map_v, map_o, p), stream)
 

@@ -100,6 +100,30 @@ def test_misaligned_rows_are_refused_not_faulted():
         cuflash.flash_attn_func(q, q, q, impl="fa3")
 
 
+# --- GQA packing (few query rows: the group's heads share a tile) --------------------------------------------
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk, heads", [(1, 300, (8, 2)), (7, 1023, (16, 2)), (16, 129, (8, 1)), (33, 77, (4, 2)),
+                                           (3, 1, (32, 2))])
+def test_gqa_packing(poison_allocations, d, causal, sq, sk, heads):
+    from cuflash import fa3
+    from cuflash._validate import Dims
+
+    assert fa3.pack_gqa(Dims(2, sq, sk, heads[0], heads[1], d, "bfloat16"), varlen=False)
+    q, k, v = _inputs(np.random.default_rng(), 2, sq, sk, *heads, d, "bfloat16")
+    _check(q, k, v, causal)
+
+
+def test_gqa_packing_window_softcap_fp16_strided(poison_allocations):
+    import cupy
+
+    base = cupy.asarray(np.random.default_rng().standard_normal((3, 5, 3, 16, 128), dtype=np.float32)).astype("float16")
+    q = base[:, :, 0]  # (3, 5, 16, 128) with the batch and row strides of the packed qkv tensor
+    k, v = base[:, :, 1, :4], base[:, :, 2, :4]
+    _check(q, k, v, window=(2, 1), softcap=4.0)
+
+
 # --- variable-length batches ----------------------------------------------------------------------------
 
 FA3_VARLEN_CASES = [

@@ -138,3 +138,19 @@ def test_launch_limits():
         _validate.check_qkv(*qkv(h=70000, hkv=1))
     with pytest.raises(ValueError, match="seqlen_k must be below 2\\*\\*30"):
         _validate.check_qkv(*qkv(sk=2 ** 30))
+
+
+def test_fa3_packs_gqa_only_where_it_saves_tiles():
+    from cuflash import fa3
+    from cuflash._validate import Dims
+
+    def pack(sq, h, hkv, varlen=False):
+        return fa3.pack_gqa(Dims(2, sq, 512, h, hkv, 128, "bfloat16"), varlen)
+
+    assert pack(1, 32, 8) and pack(16, 16, 2) and pack(30, 8, 2)  # e.g. 1 tile instead of 4 (g = 4)
+    assert not pack(100, 8, 2)  # 4 tiles either way: packing saves nothing
+    assert not pack(128, 32, 8)  # full tiles per head already
+    assert not pack(1, 8, 8)  # no group
+    assert not pack(1, 24, 8)  # group 3
+    assert not pack(1, 32, 8, varlen=True)  # packed batches are not packed twice
+    assert not pack(1, 256, 1)  # group 256 does not divide a warpgroup's 64 rows

@@ -21,8 +21,13 @@ struct Mask {
     // K blocks [lo, hi) holding a key visible to some row of Q block m (rows [m*BM, m*BM+BM)).
     template <int BM, int BN>
     __device__ __forceinline__ void kv_block_range(int m, int& lo, int& hi) const {
-        int row_first = m * BM;
-        int row_last = min(row_first + BM, seqlen_q) - 1;
+        kv_block_range_rows<BN>(m * BM, min(m * BM + BM, seqlen_q) - 1, lo, hi);
+    }
+
+    // The same for any run of rows [row_first, row_last], row_last < seqlen_q (e.g. the query rows of a
+    // tile that packs the heads of a GQA group).
+    template <int BN>
+    __device__ __forceinline__ void kv_block_range_rows(int row_first, int row_last, int& lo, int& hi) const {
         int key_first = max(0, row_first + diag() - left);
         int key_last = min(seqlen_k - 1, row_last + diag() + right);
         lo = key_first / BN;
@@ -44,7 +49,13 @@ struct Mask {
     // True when every (row, key) of the tile is visible, so the per-element mask can be skipped.
     template <int BM, int BN>
     __device__ __forceinline__ bool tile_all_visible(int m, int n) const {
-        int r0 = m * BM, r1 = r0 + BM - 1, c0 = n * BN, c1 = c0 + BN - 1;
+        return rows_all_visible<BN>(m * BM, m * BM + BM - 1, n);
+    }
+
+    // The same for rows [r0, r1] against K block n.
+    template <int BN>
+    __device__ __forceinline__ bool rows_all_visible(int r0, int r1, int n) const {
+        int c0 = n * BN, c1 = c0 + BN - 1;
         return r1 < seqlen_q && c1 < seqlen_k && c1 <= r0 + diag() + right && c0 >= r1 + diag() - left;
     }
 };

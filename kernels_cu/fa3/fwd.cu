@@ -16,7 +16,8 @@
 // (common/hopper.cuh). The epilogue stores O through shared memory with TMA where it can (STORE_O_TMA).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
-// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_STORE_O_TMA (0/1).
+// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_STORE_O_TMA (0/1),
+// CUFLASH_PACK_GQA (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -40,6 +41,12 @@ constexpr bool VARLEN = CUFLASH_VARLEN;  // packed (total, heads, d) inputs, seq
 // next sequence's rows); otherwise each thread stores its registers.
 constexpr bool STORE_O_TMA = CUFLASH_STORE_O_TMA;
 static_assert(!(STORE_O_TMA && VARLEN), "packed batches store O from registers");
+// GQA packing (few query rows, several query heads per KV head): a tile's BM rows are (query, head) pairs
+// of one KV head's group, row r = query r / group of head r % group, so the group shares each K/V tile
+// and short sequences still fill the tile. Q arrives through a (d, heads, seqlen, batch) tensor map whose
+// box is (64, group, BM / group); O is stored from registers.
+constexpr bool PACK_GQA = CUFLASH_PACK_GQA;
+static_assert(!(PACK_GQA && (VARLEN || STORE_O_TMA)), "GQA packing: fixed-length batches, O from registers");
 constexpr int ATOMS = DP / 64;  // 64-column atoms per row
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
@@ -112,22 +119,22 @@ __device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[BN
 struct OnlineSoftmax {
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
 
-    // S_n -> P_n = exp2(S scale - m_new) in place, with the mask applied where tile n (of this warpgroup's
-    // 64-row block m64) crosses a mask edge. Returns whether O needs rescaling by alpha (a row max moved
-    // somewhere in the warp).
-    __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, int m64, int n, int row_lo, int q4,
-                                         const Fa3FwdParams& p) {
+    // S_n -> P_n = exp2(S scale - m_new) in place, with the mask applied unless every (row, key) of this
+    // warpgroup's rows and K tile n is visible. qrow: the query rows of this thread's two rows. Returns
+    // whether O needs rescaling by alpha (a row max moved somewhere in the warp).
+    __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, bool all_visible, const int (&qrow)[2],
+                                         int n, int q4, const Fa3FwdParams& p) {
         const float scale_log2 = p.scale_log2;
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) sc[i] = tanh_approx(sc[i] * p.softcap_pre);
         }
-        if (!mask.tile_all_visible<64, BN>(m64, n)) {  // only tiles that cross a mask edge pay for this
+        if (!all_visible) {  // only tiles that cross a mask edge pay for this
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    if (!mask.visible(row_lo + 8 * (e / 2), n * BN + 8 * j + 2 * q4 + e % 2)) sc[4 * j + e] = neg_inf();
+                    if (!mask.visible(qrow[e / 2], n * BN + 8 * j + 2 * q4 + e % 2)) sc[4 * j + e] = neg_inf();
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -167,13 +174,14 @@ struct OnlineSoftmax {
 // O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end of the
 // sequence skipped (in a packed batch they belong to the next one). Rows count from seq.q_start.
 __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[DP / 2], const OnlineSoftmax& sm,
-                                             const SeqInfo& seq, int row_lo, int q4, int head, int batch) {
+                                             const SeqInfo& seq, const int (&qrow)[2], const int (&qhead)[2], int q4,
+                                             int batch) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int local_row = row_lo + 8 * r;
         const float l = quad_sum(sm.row_sum[r]);
-        if (local_row >= seq.seqlen_q) continue;
-        const i64 row = i64(seq.q_start) + local_row;
+        if (qrow[r] >= seq.seqlen_q) continue;
+        const i64 row = i64(seq.q_start) + qrow[r];
+        const int head = qhead[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
 #pragma unroll
@@ -220,6 +228,14 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     }
 }
 
+// The query rows [first, last] of a tile's `rows` rows from packed row `row0` (rows = BM for the whole
+// tile, 64 for one consumer's); `last` may pass the sequence's end. With GQA packing a packed row r is
+// query r / group.
+__device__ __forceinline__ void query_span(int row0, int rows, int group, int& first, int& last) {
+    first = PACK_GQA ? row0 / group : row0;
+    last = PACK_GQA ? (row0 + rows - 1) / group : row0 + rows - 1;
+}
+
 // This tile's sequence: its lengths and, in a packed batch, its first rows (common/seqlen.cuh).
 __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
     return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
@@ -234,7 +250,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     const int warpgroup = threadIdx.x / 128;
     const int group = p.heads / p.kv_heads;
-    const int m_blocks = (p.seqlen_q + BM - 1) / BM;  // of the longest sequence when VARLEN
+    // Tiles: (packed) row blocks x heads (KV heads when packing) x batch; rows of the longest sequence when
+    // VARLEN.
+    const int m_blocks = PACK_GQA ? (p.seqlen_q * group + BM - 1) / BM : (p.seqlen_q + BM - 1) / BM;
+    const int tile_heads = PACK_GQA ? p.kv_heads : p.heads;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
@@ -257,18 +276,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         regs_decrease<24>();
         if (threadIdx.x != 0) return;
         int i = 0, q_iter = 0;
-        for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
+        for (TileScheduler sched(m_blocks, tile_heads, p.batch); sched.valid(); sched.advance()) {
             const Tile tile = sched.tile();
             const SeqInfo seq = sequence(p, tile.batch);
-            if (tile.m_block * BM >= seq.seqlen_q) continue;  // a shorter sequence of a packed batch
+            int q_first, q_last;
+            query_span(tile.m_block * BM, BM, group, q_first, q_last);
+            if (q_first >= seq.seqlen_q) continue;  // a shorter sequence of a packed batch
             const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
             int n_lo, n_hi;
-            mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
+            mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
             if (n_lo == n_hi) continue;
-            const int kv_head = tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
+            const int kv_head = PACK_GQA ? tile.head : tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
             mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
             mbar_arrive_expect_tx(&sm.q_full, Q_BYTES);
-            load_atoms(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
+            if constexpr (PACK_GQA) {
+#pragma unroll
+                for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
+                    tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
+            } else {
+                load_atoms(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
+            }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
                 const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
@@ -295,20 +322,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     int i = 0, q_iter = 0;
     if (c == 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
-    for (TileScheduler sched(m_blocks, p.heads, p.batch); sched.valid(); sched.advance()) {
+    for (TileScheduler sched(m_blocks, tile_heads, p.batch); sched.valid(); sched.advance()) {
         const Tile tile = sched.tile();
         const SeqInfo seq = sequence(p, tile.batch);
-        if (tile.m_block * BM >= seq.seqlen_q) continue;  // as the producer: no such rows
+        int q_first, q_last, wg_first, wg_last;
+        query_span(tile.m_block * BM, BM, group, q_first, q_last);
+        if (q_first >= seq.seqlen_q) continue;  // as the producer: no such rows
+        query_span(tile.m_block * BM + c * 64, 64, group, wg_first, wg_last);  // this warpgroup's rows
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
-        const int m64 = tile.m_block * 2 + c;              // this warpgroup's 64-row block
-        const int row_lo = m64 * 64 + 16 * w + g;           // this thread's rows: row_lo and row_lo + 8
+        int qrow[2], qhead[2];  // query row and head of this thread's two rows
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = tile.m_block * BM + c * 64 + 16 * w + g + 8 * r;
+            qrow[r] = PACK_GQA ? row / group : row;
+            qhead[r] = PACK_GQA ? tile.head * group + row % group : tile.head;
+        }
         int n_lo, n_hi;
-        mask.kv_block_range<BM, BN>(tile.m_block, n_lo, n_hi);
+        mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
 #pragma unroll
         for (int j = 0; j < DP / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
         if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
-            store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
+            store_output(p, o, softmax, seq, qrow, qhead, q4, tile.batch);
             continue;
         }
         mbar_wait(&sm.q_full, q_iter++ & 1);
@@ -326,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&sm.k_empty[s]);
                 if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
-            softmax.step(sc, mask, m64, n_lo, row_lo, q4, p);
+            softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p);
             pack_p(sc, pv_a);
         }
 
@@ -345,7 +380,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
-            const bool rescale = softmax.step(sc, mask, m64, n, row_lo, q4, p);
+            const bool rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p);
             // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
             // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
             // the SASS).
@@ -375,9 +410,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             ++i;
         }
         if constexpr (STORE_O_TMA)
-            store_output_tma(p, &map_o, sm.o + c * (Q_BYTES / 2), o, softmax, c, t, m64, tile.head, tile.batch);
+            store_output_tma(p, &map_o, sm.o + c * (Q_BYTES / 2), o, softmax, c, t, tile.m_block * 2 + c, tile.head,
+                             tile.batch);
         else
-            store_output(p, o, softmax, seq, row_lo, q4, tile.head, tile.batch);
+            store_output(p, o, softmax, seq, qrow, qhead, q4, tile.batch);
     }
     if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
     if (STORE_O_TMA && t == 0) tma_store_wait_read();  // shared memory must outlive the last store's reads
