@@ -47,6 +47,13 @@ def _cases(name, direction):
         for causal in (False, True):
             for sq, sk in ((77, 133), (133, 77)):
                 cases.append(dict(b=2, sq=sq, sk=sk, h=4, hkv=2, d=d, dtype="bfloat16", causal=causal))
+    if name == "fa3":  # issue 4 asks for one causal and one non-causal run of every FA3 head dim
+        for d in dims[1:-1]:
+            for causal in (False, True):
+                cases.append(dict(b=2, sq=133, sk=77 if causal else 133, h=4, hkv=2, d=d, dtype="bfloat16",
+                                  causal=causal))
+        if direction == "fwd":  # the GQA-packed path (few query rows)
+            cases.append(dict(b=2, sq=5, sk=133, h=8, hkv=2, d=128, dtype="bfloat16", causal=True))
     cases.append(dict(b=1, sq=1, sk=133, h=4, hkv=2, d=mid, dtype="bfloat16", causal=True))
     if "window" in feats:
         cases.append(dict(b=1, sq=77, sk=133, h=2, hkv=1, d=mid, dtype="float16", causal=False, window=(16, 8)))
