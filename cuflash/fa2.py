@@ -53,10 +53,13 @@ def _feature_defines(dtype: str, softcap: bool, alibi: bool, dropout: bool) -> t
 def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False):
     """The tiles of a forward variant: the table's, except that with all three optional features at once
     a warp takes one 16-row m-tile instead of two (twice the warps): their extra registers (tanh, the
-    ALiBi distance, the Philox state) made ptxas spill at d = 128 on sm_80."""
+    ALiBi distance, the Philox state) made ptxas spill at d = 128 on sm_80. Q stays in registers
+    (``q_in_regs``) only in the plain variant (no softcap, ALiBi or dropout)."""
     t = FA2_TILES[headdim]
     if softcap and alibi and dropout and t.block_m // t.warps > 16:
         t = dataclasses.replace(t, warps=t.block_m // 16)
+    if t.q_in_regs and (softcap or alibi or dropout):  # Q in registers fits only next to the plain softmax
+        t = dataclasses.replace(t, q_in_regs=False)
     return t
 
 
@@ -69,7 +72,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
         "fa2/fwd.cu",
         "fa2_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
-         ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps))
+         ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps),
+         ("CUFLASH_Q_REGS", int(t.q_in_regs)))
         + _feature_defines(dtype, softcap, alibi, dropout),
         threads=t.warps * 32,
         smem_bytes=smem,

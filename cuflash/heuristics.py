@@ -37,6 +37,8 @@ class Fa2Tiles:
     block_n: int  # keys per K/V tile in shared memory (two of K and two of V are in flight)
     warps: int  # each warp owns block_m / warps rows (one or two 16-row m-tiles)
     compute_n: int = 0  # keys per S/softmax/PV step within a tile (0 = block_n); bounds S registers
+    q_in_regs: bool = False  # Q's A fragments stay in registers (block_m / warps x d / 2 bf16 per lane);
+    #                          taken only by variants without softcap, ALiBi or dropout (fa2.fwd_tiles)
 
 
 # head dim -> FA2 forward tiles, measured on the H200 (bench/NOTES.md, FA2 v0). Two m-tiles per warp
@@ -44,10 +46,12 @@ class Fa2Tiles:
 # O (d/2 fp32 per m-tile) + S (block_n/2 per m-tile) in 255 registers without spills, so block_n
 # shrinks as d grows. Every row keeps Q + 2 x (K + V) under 99 KB so the kernels also launch on
 # sm_86/sm_89 (larger tiles measured up to 10 % faster on the H200 at d = 256; a per-arch table can
-# take them later).
+# take them later). d <= 64 keeps Q in registers (16-32 per lane next to 64 for S and O: no spills with
+# NVRTC 13.0 / 13.5); from d = 128 O alone is 128 registers and Q would spill. Static analysis and the
+# rejected candidates (spills): bench/NOTES.md, "FA2 forward: static analysis".
 FA2_TILES = {
-    32: Fa2Tiles(block_m=128, block_n=64, warps=4),
-    64: Fa2Tiles(block_m=128, block_n=64, warps=4),
+    32: Fa2Tiles(block_m=128, block_n=64, warps=4, q_in_regs=True),
+    64: Fa2Tiles(block_m=128, block_n=64, warps=4, q_in_regs=True),
     96: Fa2Tiles(block_m=128, block_n=32, warps=4),
     128: Fa2Tiles(block_m=128, block_n=32, warps=4),
     192: Fa2Tiles(block_m=64, block_n=32, warps=4),

@@ -1,8 +1,11 @@
 """Time FA2 forward tile configurations against each other and the torch flash/cudnn peers in one run.
 
-    python scripts/tune_fa2.py            # the candidate table below
-Prints one line per (head dim, config, causal) at the FlashAttention benchmark shape (16k tokens,
-hidden 2048) for N = 4096 and 8192.
+    python scripts/tune_fa2.py [64 128 256]      # head dims (default: all in CANDIDATES)
+
+Prints one line per (head dim, N, causal, config) at the FlashAttention benchmark shape (16k tokens,
+hidden 2048, bf16) for N = 2048 and 8192, with the config's registers / spill bytes from this machine's
+NVRTC (the table must not take a row that spills). Pick the fastest spill-free row per head dim and put it
+in heuristics.FA2_TILES (rows above 99 KB of shared memory need a per-arch table first: sm_86/sm_89).
 """
 import sys
 
@@ -10,17 +13,22 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash import heuristics
+from cuflash import fa2, heuristics
+from cuflash._jit import compile_variant
 from cuflash.bench import time_fn
+from cuflash.compile_report import parse_ptxas_log
 
-# (block_m, block_n, warps, compute_n): all compile without spills for sm_90a (NVRTC 13.5). Session 1
-# measured the first three of each row; the compute_n ones (K/V tiles loaded block_n at a time, S and
-# the softmax computed compute_n keys at a time) are new.
+T = heuristics.Fa2Tiles
+# (block_m, block_n, warps, compute_n, q_in_regs); the first of each row is the table's. All compile without
+# spills for sm_90a with NVRTC 13.5 and 13.0 (plain bf16 variant; bench/NOTES.md, "FA2 forward: static
+# analysis"). Rejected for spills: d = 128 (128, 64, 4, 32) (88-172 bytes), any compute_n < block_n
+# with the sub-step loop unrolled.
 CANDIDATES = {
-    64: [(128, 64, 4, 0), (128, 64, 8, 0), (128, 128, 8, 0), (128, 128, 4, 64)],
-    128: [(128, 64, 8, 0), (128, 32, 4, 0), (128, 128, 8, 0)],
-    256: [(64, 64, 4, 0), (64, 32, 4, 0), (128, 64, 8, 0), (128, 64, 8, 32), (64, 64, 4, 32)],
+    64: [T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, True), T(128, 128, 4, 64, False)],
+    128: [T(128, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False), T(64, 64, 4, 32, False)],
+    256: [T(64, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 64, 8, 32, False), T(64, 64, 4, 32, False)],
 }
+SEQLENS = (2048, 8192)
 
 
 def median_ms(fn):
@@ -36,11 +44,22 @@ def torch_ms(q, k, v, causal, backend):
         return median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
 
 
+def use(d, tiles, arch=None):
+    """Make FA2 forward variants of head dim d take ``tiles``; returns (registers, spill bytes) of the plain one."""
+    heuristics.FA2_TILES[d] = tiles  # the dict fa2.py reads
+    if arch is None:
+        cc = cupy.cuda.Device().compute_capability
+        arch = "sm_90a" if cc == "90" else f"sm_{cc}"
+    v = fa2.fwd_variant(d, "bfloat16")
+    info = parse_ptxas_log(compile_variant(v, arch).log, v.kernel)
+    return info["regs"], info["spill_bytes"]
+
+
 def main():
     rng = np.random.default_rng(0)
     dims = [int(a) for a in sys.argv[1:]] or sorted(CANDIDATES)
     for d in dims:
-        for n in (4096, 8192):
+        for n in SEQLENS:
             b, h = 16384 // n, 2048 // d
             q, k, v = (cupy.asarray(rng.standard_normal((b, n, h, d), dtype=np.float32)).astype("bfloat16")
                        for _ in range(3))
@@ -48,11 +67,12 @@ def main():
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 peers = {name: torch_ms(q, k, v, causal, name) for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION")}
                 line = " ".join(f"{name[:5].lower()} {flops / t / 1e9:5.0f}" for name, t in peers.items())
-                for cfg in CANDIDATES[d]:
-                    heuristics.FA2_TILES[d] = heuristics.Fa2Tiles(*cfg)
+                for tiles in CANDIDATES[d]:
+                    regs, spill = use(d, tiles)
                     t = median_ms(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"))
-                    print(f"d={d} N={n} causal={causal!s:5} {cfg}: fa2 {flops / t / 1e9:5.0f} TF/s | {line}"
-                          f" | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash", flush=True)
+                    cfg = f"({tiles.block_m},{tiles.block_n},{tiles.warps},{tiles.compute_n},{int(tiles.q_in_regs)})"
+                    print(f"d={d} N={n} causal={causal!s:5} {cfg} regs {regs} spill {spill}: fa2 {flops / t / 1e9:5.0f}"
+                          f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,17 @@
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 // CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
 // CUFLASH_DROPOUT (0/1: P is dropped after the row sums, so the softmax normalisation is the
-// undropped one, as in FlashAttention).
+// undropped one, as in FlashAttention), CUFLASH_Q_REGS (0/1, default 0: Q fragments in registers).
 #include "common/mask.cuh"
 #include "common/philox.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
 #include "common/tile.cuh"
 #include "fa2/params.cuh"
+
+#ifndef CUFLASH_Q_REGS
+#define CUFLASH_Q_REGS 0
+#endif
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr int BM = CUFLASH_BLOCK_M;
@@ -34,6 +38,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool ALIBI = CUFLASH_ALIBI;
 constexpr bool DROPOUT = CUFLASH_DROPOUT;
+constexpr bool Q_REGS = CUFLASH_Q_REGS;  // Q's A fragments held in registers for the whole block (see QOperand)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0, "tiles are made of 16x16 mma blocks");
 
@@ -49,9 +54,79 @@ typedef LdsmAddr<BM, D, (D % 64 == 0)> QAddr;
 typedef LdsmAddr<BN, D, (D % 64 == 0)> KVAddr;
 constexpr u32 KV_STAGE_BYTES = sizeof(FastSmemTile<BN, D>);
 
-// S[mt] (16 x KN) = Q[rows of m-tile mt] K[keys n0 .. n0+KN)^T for the warp's MT m-tiles. `q` addresses
-// the warp's own rows; `k` the K tile of stage 0, `k_stage` the byte offset of this tile's stage.
-__device__ __forceinline__ void qk_product(const QAddr& q, const KVAddr& k, u32 k_stage, int n0,
+// 16-byte cp.async to a shared address already in the shared window; src_bytes < 16 zero-fills the rest.
+__device__ __forceinline__ void cp_async_16_at(u32 smem, const void* gmem, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
+
+// cp.async of a whole tile with a compile-time trip count. The common load_tile_async loop starts at
+// threadIdx.x, so ptxas keeps it a run-time loop (plus a remainder loop) that pays ~25 integer
+// instructions per 16-byte chunk: a signed division, a 64-bit multiply and the swizzle, for every chunk
+// of every K and V tile (~220 per thread per 32-key tile at d = 128: more issue slots than the tile's
+// MMAs leave free). Here each thread owns one 16-byte column chunk and walks rows STEP = THREADS / CHUNKS
+// apart: one cp.async, one row test, two selects and one 64-bit pointer add per chunk. The swizzle
+// depends on row % 8 only, so the destination of step `it` is that of step it % PERIOD plus a constant
+// (an immediate offset). Same copy as bwd.cu's load_tile_unrolled, generalised to STEP < 8 (d = 256).
+// Tiles whose chunk count does not divide the block (d = 96, 192) keep the common loop.
+template <int ROWS, int COLS, bool SW>
+__device__ __forceinline__ void load_tile(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
+                                          int rows_valid) {
+    constexpr int CHUNKS = COLS / 8;
+    constexpr int STEP = THREADS / CHUNKS;  // rows between one thread's chunks (when CHUNKS divides THREADS)
+    if constexpr (THREADS % CHUNKS != 0 || (SW && STEP % 8 != 0 && 8 % STEP != 0)) {
+        load_tile_async<THREADS>(tile, src, row_stride, rows_valid);
+    } else {
+        constexpr int STEPS = (ROWS + STEP - 1) / STEP;
+        constexpr int PERIOD = (!SW || STEP % 8 == 0) ? 1 : 8 / STEP;  // steps until the swizzle repeats
+        constexpr u32 ROW_BYTES = SmemTile<ROWS, COLS, SW>::PITCH * 2;
+        const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
+        u32 dst[PERIOD];
+#pragma unroll
+        for (int i = 0; i < PERIOD; ++i) dst[i] = smem_addr(tile.at(r0 + i * STEP, c));
+        const u16* s = src + r0 * row_stride + c;
+        const i64 step_stride = STEP * row_stride;
+#pragma unroll
+        for (int it = 0; it < STEPS; ++it) {
+            const int r = r0 + it * STEP;
+            if (ROWS % STEP != 0 && r >= ROWS) break;
+            const bool in = r < rows_valid;  // rows past the end read nothing and become zeros
+            cp_async_16_at(dst[it % PERIOD] + (it / PERIOD) * PERIOD * STEP * ROW_BYTES, in ? s : src, in ? 16 : 0);
+            s += step_stride;
+        }
+    }
+}
+
+// The A operand of S = Q K^T (the warp's own MT x 16 rows of Q). Re-read from shared memory with ldmatrix
+// for every K/V tile, or (IN_REGS) read once per block and kept in MT * D / 4 registers: that removes
+// MT * D / 16 of the tile's ldmatrix.x4 (a fifth of them at d = 64, BLOCK_N = 64) where registers allow.
+template <bool IN_REGS>
+struct QOperand {
+    QAddr addr;
+    __device__ __forceinline__ QOperand(const QAddr& a) : addr(a) {}
+    __device__ __forceinline__ void load() {}
+    __device__ __forceinline__ void get(u32 (&a)[4], int mt, int kk) const { ldmatrix_x4_at(a, addr.at(mt * 16, kk)); }
+};
+template <>
+struct QOperand<true> {
+    u32 frag[MT][D / 16][4];
+    QAddr addr;
+    __device__ __forceinline__ QOperand(const QAddr& a) : addr(a) {}
+    // After the Q tile has landed (cp.async wait + barrier).
+    __device__ __forceinline__ void load() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kk = 0; kk < D; kk += 16) ldmatrix_x4_at(frag[mt][kk / 16], addr.at(mt * 16, kk));
+    }
+    __device__ __forceinline__ void get(u32 (&a)[4], int mt, int kk) const {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[i] = frag[mt][kk / 16][i];
+    }
+};
+
+// S[mt] (16 x KN) = Q[rows of m-tile mt] K[keys n0 .. n0+KN)^T for the warp's MT m-tiles. `q` holds or
+// addresses the warp's own rows; `k` the K tile of stage 0, `k_stage` the byte offset of this tile's stage.
+__device__ __forceinline__ void qk_product(const QOperand<Q_REGS>& q, const KVAddr& k, u32 k_stage, int n0,
                                            Frag (&s)[MT][KN / 8]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -61,7 +136,7 @@ __device__ __forceinline__ void qk_product(const QAddr& q, const KVAddr& k, u32 
     for (int kk = 0; kk < D; kk += 16) {
         u32 a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4_at(a[mt], q.at(mt * 16, kk));
+        for (int mt = 0; mt < MT; ++mt) q.get(a[mt], mt, kk);
 #pragma unroll
         for (int nn = 0; nn < KN; nn += 16) {
             u32 b[4];
@@ -207,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
 
     int n_lo, n_hi;
     mask.kv_block_range<BM, BN>(m_block, n_lo, n_hi);
-    const QAddr q_addr(sm.q, warp_row0 + (lane & 15), lane >> 4);  // A operand, this warp's rows
+    QOperand<Q_REGS> q_op(QAddr(sm.q, warp_row0 + (lane & 15), lane >> 4));  // A operand, this warp's rows
     const KVAddr k_addr = b_rows_addr(sm.k[0], lane);
     const KVAddr v_addr = b_trans_addr(sm.v[0], lane);
 
@@ -217,11 +292,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
     for (int mt = 0; mt < MT; ++mt) row_max[mt][0] = row_max[mt][1] = neg_inf(), row_sum[mt][0] = row_sum[mt][1] = 0.f;
 
     if (n_lo < n_hi) {
-        load_tile_async<THREADS>(sm.q, q, p.q_row_stride, seq.seqlen_q - row0);
-        load_tile_async<THREADS>(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n_lo * BN);
+        load_tile(sm.q, q, p.q_row_stride, seq.seqlen_q - row0);
+        load_tile(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n_lo * BN);
         cp_async_commit();
-        load_tile_async<THREADS>(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n_lo * BN);
+        load_tile(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n_lo * BN);
         cp_async_commit();
+        if constexpr (Q_REGS) {
+            cp_async_wait<1>();  // Q (and the first K tile) landed; the loop's first wait then returns at once
+            __syncthreads();
+            q_op.load();
+        }
     }
 
     for (int n = n_lo; n < n_hi; ++n) {
@@ -232,15 +312,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
         cp_async_wait<1>();  // this K tile has landed (this V tile may still be in flight)
         __syncthreads();     // ... for every thread; and everyone is done with the other stage
         if (has_next)
-            load_tile_async<THREADS>(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
+            load_tile(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
                                      seq.seqlen_k - next_key0);
         cp_async_commit();
 
         const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
-#pragma unroll
+        // Not unrolled: with two sub-steps unrolled ptxas kept both steps' values live and spilled 170-300
+        // bytes (d = 64 BLOCK_N 128, d = 128 BLOCK_N 64); as a loop the sub-step offset costs a few adds.
+#pragma unroll 1
         for (int sub = 0; sub < BN; sub += KN) {
             Frag s[MT][KN / 8];
-            qk_product(q_addr, k_addr, stage * KV_STAGE_BYTES, sub, s);
+            qk_product(q_op, k_addr, stage * KV_STAGE_BYTES, sub, s);
             if (needs_mask)
                 online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
             else
@@ -250,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
                 cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
                 __syncthreads();
                 if (has_next)
-                    load_tile_async<THREADS>(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
+                    load_tile(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
                                              seq.seqlen_k - next_key0);
                 cp_async_commit();
             }
