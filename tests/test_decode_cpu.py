@@ -8,7 +8,7 @@
 * The NumPy model of split-KV + combine (cuflash.reference.decode_split_model) against the exact
   reference, on random inputs with odd sizes and splits that get no keys.
 * The rotary reference against a hand-written loop; the combine reference against brute force.
-* The split heuristic; the parameter structs' numpy mirrors against the C structs (NVRTC static_asserts).
+* The split heuristic (the parameter structs' layouts: tests/test_param_structs.py).
 """
 from __future__ import annotations
 
@@ -742,34 +742,6 @@ def test_split_heuristic():
             n = f(batch, 4, 1, keys, 64, 132)
             assert 1 <= n <= heuristics.DECODE_MAX_SPLITS
             assert n == 1 or -(-keys // 64) // n >= heuristics.DECODE_MIN_TILES_PER_SPLIT
-
-
-# ----------------------------------------------------------------------------------------------------
-# the numpy mirrors of the C parameter structs
-# ----------------------------------------------------------------------------------------------------
-
-def _layout_probe(struct: str, dtype: np.dtype, include: str, defines=()) -> str:
-    lines = [f'#include "{include}"']
-    lines.append(f"static_assert(sizeof({struct}) == {dtype.itemsize}, \"sizeof {struct}\");")
-    for name in dtype.names:
-        off = dtype.fields[name][1]
-        lines.append(f"static_assert(__builtin_offsetof({struct}, {name}) == {off}, \"{struct}.{name}\");")
-    return "\n".join(lines) + "\n"
-
-
-@pytest.mark.parametrize("struct,dtype,include,defines", [
-    ("DecodeParams", decode.FWD_PARAMS, "decode/params.cuh", ()),
-    ("AppendParams", decode.APPEND_PARAMS, "decode/params.cuh", ()),
-    ("CombineParams", decode.COMBINE_PARAMS, "decode/combine.cu", (("CUFLASH_OUT_DTYPE", 2),)),
-])
-def test_param_structs_match_their_numpy_mirrors(tmp_path, monkeypatch, struct, dtype, include, defines):
-    """NVRTC compiles static_asserts that every field of the C struct sits at the numpy mirror's offset."""
-    from cuflash import _jit
-
-    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    src = tmp_path / f"probe_{struct}.cu"
-    src.write_text(_layout_probe(struct, dtype, include) + "extern \"C\" __global__ void probe() {}\n")
-    _jit.compile_variant(_jit.Variant("probe", str(src), "probe", tuple(defines)), "sm_80")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Every kernel parameter struct in C and its numpy mirror in Python agree field by field (CPU tier):
-NVRTC compiles a probe of static_asserts on sizeof and offsetof. A mismatch would hand kernels garbage."""
+"""Every kernel parameter struct in C (FA1, FA2, FA3, the backward passes, decode) and its numpy mirror in
+Python agree field by field (CPU tier): NVRTC compiles a probe of static_asserts on sizeof and offsetof.
+A mismatch would hand kernels garbage."""
 import numpy as np
 import pytest
 
-from cuflash import _bwd_aux, _jit, fa1, fa2, fa3
+from cuflash import _bwd_aux, _jit, decode, fa1, fa2, fa3
 
 # (C struct, numpy mirror, file that defines the struct, defines that file needs)
 STRUCTS = [
@@ -14,6 +15,9 @@ STRUCTS = [
     ("Fa3FwdParams", fa3.PARAMS, "fa3/params.cuh", ()),
     ("Fa3BwdParams", fa3.BWD_PARAMS, "fa3/params.cuh", ()),
     ("BwdAuxParams", _bwd_aux.PARAMS, "common/bwd_aux.cu", (("CUFLASH_HEADDIM", 64), ("CUFLASH_DTYPE", 0))),
+    ("DecodeParams", decode.FWD_PARAMS, "decode/params.cuh", ()),
+    ("AppendParams", decode.APPEND_PARAMS, "decode/params.cuh", ()),
+    ("CombineParams", decode.COMBINE_PARAMS, "decode/combine.cu", (("CUFLASH_OUT_DTYPE", 2),)),
 ]
 
 
