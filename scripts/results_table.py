@@ -11,7 +11,7 @@ def main(path: str, seqlen: int) -> None:
     impls = [i for i in ("cuflash-fa1", "cuflash-fa2", "cuflash-fa3", "torch-flash", "torch-cudnn", "torch-efficient", "naive")
              if any(r["impl"] == i for r in rows)]
     idx = {(r["headdim"], r["causal"], r["impl"]): r for r in rows if r["seqlen_q"] == seqlen}
-    print(f"| d | causal | " + " | ".join(impls) + " |")
+    print("| d | causal | " + " | ".join(impls) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in impls) + " |")
     for d in sorted({k[0] for k in idx}):
         for causal in (False, True):

@@ -5,7 +5,6 @@ import os
 import shutil
 import stat
 import warnings
-from pathlib import Path
 
 import pytest
 
