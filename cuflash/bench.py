@@ -857,17 +857,23 @@ def capture_graph(timed: DecodeTimed):
 
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        stream.begin_capture()
-        try:
-            outs = timed.fn()
-        except BaseException:
-            try:
-                stream.end_capture()
-            except Exception:  # noqa: BLE001 - the original error matters
-                pass
-            raise
-        graph = stream.end_capture()
+        graph, outs = capture_on_stream(stream, timed.fn)
     return (lambda: graph.launch(stream)), outs, stream
+
+
+def capture_on_stream(stream, fn):
+    """(graph, fn()) with fn's CuPy work captured into a CUDA graph on ``stream``, which the caller has made
+    the current stream. The capture is ended even when fn raises, so the stream stays usable."""
+    stream.begin_capture()
+    try:
+        result = fn()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:  # noqa: BLE001 - the original error matters
+            pass
+        raise
+    return stream.end_capture(), result
 
 
 def _join(*notes) -> str | None:

@@ -11,6 +11,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
+from cuflash.bench import capture_on_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -297,16 +298,7 @@ def test_graph_capture_and_replay(poison_allocations, paged, forced_splits):
         step()  # compile and load outside the capture
         stream.synchronize()
         with cupy.cuda.using_allocator(_refuse_allocation):
-            stream.begin_capture()
-            try:
-                out_g, lse_g = step()
-            except BaseException:
-                try:
-                    stream.end_capture()
-                except Exception:  # noqa: BLE001 - the original error matters
-                    pass
-                raise
-            graph = stream.end_capture()
+            graph, (out_g, lse_g) = capture_on_stream(stream, step)
         assert out_g is out and not stream.is_capturing()
 
         for trial, lens in enumerate(trials):

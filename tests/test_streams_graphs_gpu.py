@@ -35,6 +35,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
+from cuflash.bench import capture_on_stream
 
 pytestmark = pytest.mark.gpu
 
@@ -276,16 +277,7 @@ def _capture(stream, pool, fn):
     import cupy
 
     with cupy.cuda.using_allocator(_poisoned(pool)):
-        stream.begin_capture()
-        try:
-            result = fn()
-        except BaseException:
-            try:
-                stream.end_capture()
-            except Exception:  # noqa: BLE001 - the original error matters
-                pass
-            raise
-        graph = stream.end_capture()
+        graph, result = capture_on_stream(stream, fn)
     assert not stream.is_capturing()
     return graph, result
 

@@ -63,6 +63,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64
         "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
         : "memory");
 }
+// Load a [rows][ATOMS x 64] 16-bit tile, stored atom after atom, as ATOMS boxes of 64 columns x rows of a
+// (d, rows, heads, batch) tensor map.
+template <int ATOMS>
+__device__ __forceinline__ void tma_load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
+                                               int head, int batch) {
+#pragma unroll
+    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
+}
+
 // Store a box from shared memory; the writes must be fenced for the async proxy first (fence_async_smem).
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(map),
@@ -137,6 +146,17 @@ template <int N>
 __device__ __forceinline__ void wgmma_fence_regs(float (&acc)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// A 64 x N fp32 accumulator (e.g. P) as 16-bit A fragments of the next wgmma (e.g. O += P V): the
+// accumulator of 8 columns is the A layout of 8 k-elements, so k-step kk (columns 16 kk .. 16 kk + 15) is
+// accumulator elements 8 kk .. 8 kk + 7.
+template <int N>
+__device__ __forceinline__ void acc_to_a_frags(const float (&acc)[N / 2], u32 (&a)[N / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[kk][r] = elem_t::pack2(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
 }
 
 // The wgmma instructions themselves (m64nNk16 for N = 64, 128, 256; A from shared memory or registers;

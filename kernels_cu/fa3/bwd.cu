@@ -48,12 +48,6 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 
 constexpr int DS_BAR = 1;  // + consumer: the 128 threads of one consumer warpgroup
 
-__device__ __forceinline__ void load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
-                                           int head, int batch) {
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
-}
-
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
 __device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y) {
@@ -72,14 +66,6 @@ __device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned c
 __device__ __forceinline__ void issue_acc_ay(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], const unsigned char* y) {
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<D, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
-}
-
-// fp32 accumulator pairs -> 16-bit A fragments (as the forward's pack_p).
-__device__ __forceinline__ void pack(const float (&x)[BM / 2], u32 (&a)[BM / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[kk][r] = elem_t::pack2(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
 }
 
 // Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
@@ -115,16 +101,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         regs_decrease<24>();
         if (threadIdx.x != 0 || m_lo == m_hi) return;
         mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
-        load_atoms(sm.k, BN, &map_k, &sm.kv_full, n_block * BN, kv_head, batch);
-        load_atoms(sm.v, BN, &map_v, &sm.kv_full, n_block * BN, kv_head, batch);
+        tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, n_block * BN, kv_head, batch);
+        tma_load_atoms<ATOMS>(sm.v, BN, &map_v, &sm.kv_full, n_block * BN, kv_head, batch);
         int i = 0;
         for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
             for (int m = m_lo; m < m_hi; ++m, ++i) {
                 const int s = i % STAGES;
                 mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES);
-                load_atoms(sm.q[s], BM, &map_q, &sm.qd_full[s], m * BM, h, batch);
-                load_atoms(sm.dout[s], BM, &map_do, &sm.qd_full[s], m * BM, h, batch);
+                tma_load_atoms<ATOMS>(sm.q[s], BM, &map_q, &sm.qd_full[s], m * BM, h, batch);
+                tma_load_atoms<ATOMS>(sm.dout[s], BM, &map_do, &sm.qd_full[s], m * BM, h, batch);
             }
         }
         return;
@@ -189,8 +175,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     for (int e = 0; e < 4; ++e) dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - dsum[j][e % 2]);
 
                 u32 pa[BM / 16][4], dsa[BM / 16][4];
-                pack(st, pa);
-                pack(dpt, dsa);
+                acc_to_a_frags<BM>(st, pa);
+                acc_to_a_frags<BM>(dpt, dsa);
                 wgmma_fence();
                 issue_acc_ay(dv, pa, sm.dout[s]);
                 issue_acc_ay(dk, dsa, sm.q[s]);

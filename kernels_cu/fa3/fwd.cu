@@ -71,13 +71,6 @@ constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer 
 __device__ __forceinline__ void wait_my_turn(int c) { named_sync(PINGPONG_BAR + c, 256); }
 __device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR + (c ^ 1), 256); }
 
-// Load a [rows][D] tile as ATOMS boxes of 64 columns (the tensor map's box is 64 x rows).
-__device__ __forceinline__ void load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
-                                           int head, int batch) {
-#pragma unroll
-    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Consumer steps. A consumer warpgroup holds 64 query rows; each thread two of them (row_lo, row_lo + 8)
 // and, of a 64 x N accumulator, element 4j + e = (row row_lo + 8 (e / 2), column 8 j + 2 q4 + e % 2).
@@ -103,15 +96,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[DP / 2], const u32 (&pv_a)[B
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<DP, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
     wgmma_commit();
-}
-
-// P (fp32, accumulator layout) -> 16-bit A fragments: the accumulator of 8 columns is the A layout of
-// 8 k-elements, so keys 16 kk .. 16 kk + 15 are accumulator elements 8 kk .. 8 kk + 7.
-__device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[BN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) pv_a[kk][r] = elem_t::pack2(sc[8 * kk + 2 * r], sc[8 * kk + 2 * r + 1]);
 }
 
 // Running max and exp-sum of this thread's two rows. Logits x are S (or tanh(S softcap_pre) with
@@ -294,17 +278,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
                     tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
-                load_atoms(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
+                tma_load_atoms<ATOMS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
                 const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
                 mbar_wait(&sm.k_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.k_full[s], KV_BYTES);
-                load_atoms(sm.k[s], BN, &map_k, &sm.k_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                tma_load_atoms<ATOMS>(sm.k[s], BN, &map_k, &sm.k_full[s], seq.k_start + n * BN, kv_head, tma_batch);
                 mbar_wait(&sm.v_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.v_full[s], KV_BYTES);
-                load_atoms(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                tma_load_atoms<ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
             }
         }
         return;
@@ -362,7 +346,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
             softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p);
-            pack_p(sc, pv_a);
+            acc_to_a_frags<BN>(sc, pv_a);
         }
 
         for (int n = n_lo + 1; n < n_hi; ++n) {
@@ -393,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_fence_regs(o);
             }
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
-            pack_p(sc, pv_a);
+            acc_to_a_frags<BN>(sc, pv_a);
             ++i;
         }
 
