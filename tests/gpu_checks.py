@@ -58,3 +58,26 @@ def varlen_batch(rng, lens_q, lens_k, h, hkv, d, dtype="bfloat16", extra_rows=3)
     k = rand(int(cu_k[-1]) + extra_rows, hkv, d)
     v = rand(int(cu_k[-1]) + extra_rows, hkv, d)
     return q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k), cu_q, cu_k
+
+
+def varlen_sequences(cu_q, cu_k):
+    """(b, q_start, q_end, k_start, k_end) of every sequence with query rows, from host offsets."""
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if qe > qs:
+            yield b, qs, qe, ks, ke
+
+
+def check_varlen_forward(out, lse, q, k, v, cu_q, cu_k, **options):
+    """A packed forward's out and lse, sequence by sequence, against the reference run on that sequence
+    alone; sequences without keys must give out 0 and lse -inf."""
+    for b, qs, qe, ks, ke in varlen_sequences(cu_q, cu_k):
+        if ke == ks:
+            assert float(abs(out[qs:qe].astype("float32")).max()) == 0.0
+            assert bool((lse[:, qs:qe] == -np.inf).all())
+            continue
+        qb, kb, vb = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke]  # one sequence as a batch of 1
+        o_ref, lse_ref = ref.attention_ref(qb, kb, vb, **options)
+        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, **options)
+        ref.check_close(f"out[{b}]", out[None, qs:qe], o_ref, o_low)
+        ref.check_close(f"lse[{b}]", lse[None, :, qs:qe], lse_ref, lse_ref, atol=2e-3)

@@ -6,7 +6,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
-from gpu_checks import check_backward, check_forward, varlen_batch
+from gpu_checks import check_backward, check_forward, check_varlen_forward, varlen_batch, varlen_sequences
 from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
@@ -194,20 +194,11 @@ def test_varlen_forward_backward(d, causal, lens):
     dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
     dq, dk, dv = cuflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
                                                     causal=causal, impl="fa2")
-    for b in range(len(lens_q)):
-        qs, qe, ks, ke = int(hq[b]), int(hq[b + 1]), int(hk[b]), int(hk[b + 1])
-        if qe == qs:
-            continue
-        sl = lambda x, s, e: x[None, s:e]  # noqa: E731  (one sequence as a batch of 1)
+    check_varlen_forward(out, lse, q, k, v, hq, hk, causal=causal)
+    for b, qs, qe, ks, ke in varlen_sequences(hq, hk):
         if ke == ks:
-            assert float(abs(out[qs:qe].astype("float32")).max()) == 0.0
-            assert bool((lse[:, qs:qe] == -np.inf).all())
             continue
-        qb, kb, vb, dob = sl(q, qs, qe), sl(k, ks, ke), sl(v, ks, ke), sl(dout, qs, qe)
-        o_ref, lse_ref = ref.attention_ref(qb, kb, vb, causal=causal)
-        o_low, _ = ref.attention_ref_lowp(qb, kb, vb, causal=causal)
-        ref.check_close(f"out[{b}]", out[None, qs:qe], o_ref, o_low)
-        ref.check_close(f"lse[{b}]", lse[None, :, qs:qe], lse_ref, lse_ref, atol=2e-3)
+        qb, kb, vb, dob = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], dout[None, qs:qe]  # one sequence
         g_ref = ref.attention_ref_backward(dob, qb, kb, vb, causal=causal)
         g_low = ref.attention_ref_backward_lowp(dob, qb, kb, vb, causal=causal)
         for name, g, s, e, gr, gl in (("dq", dq, qs, qe, g_ref[0], g_low[0]), ("dk", dk, ks, ke, g_ref[1], g_low[1]),
