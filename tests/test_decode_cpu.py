@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-import types
 from typing import Callable, NamedTuple
 from unittest import mock
 
@@ -26,6 +25,7 @@ import cuflash
 from cuflash import _device, api, decode, heuristics
 from cuflash import reference as ref
 from cuflash._interop import Spec
+from test_bad_input_table import _ReachedKernel, _SpecCall  # the same stand-ins
 
 B, SQ, H, HKV, D = 2, 1, 8, 2, 128
 CACHE = 100  # contiguous cache rows per entry
@@ -341,28 +341,6 @@ for arg in COMBINE_POSITIONAL:
 # ----------------------------------------------------------------------------------------------------
 # the environment of "spec" rows
 # ----------------------------------------------------------------------------------------------------
-
-class _ReachedKernel(Exception):
-    pass
-
-
-class _SpecCall:
-    def __init__(self, named_arrays, *args, **kwargs):
-        self.specs = [dataclasses.replace(a, name=n) for n, a in named_arrays]
-        self.arrays = list(self.specs)
-        self.device = types.SimpleNamespace(id=self.specs[0].device)
-        self.stream = None
-        self.framework = "cupy"
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def wrap(self, a):
-        return a
-
 
 @pytest.fixture
 def spec_env(monkeypatch):
