@@ -282,13 +282,15 @@ class DecodeCase(Case):
         """(k_pages, v_pages, page_table) with the keys of ``k``/``v``: entry b's page j (keys j·P .. j·P + P - 1)
         is page page_table[b, j] of (num_pages, P, kv_heads, d), the pages a random permutation."""
         import cupy
+        import numpy
 
         s = self.shape
         if s.seqlen_k % page_size:
             raise ValueError(f"page size {page_size} does not divide the cache length {s.seqlen_k}")
         per_entry = s.seqlen_k // page_size
         pages = s.batch * per_entry
-        perm = cupy.random.default_rng(self.seed + page_size).permutation(pages).astype(cupy.int32)
+        # numpy's generator: cupy's Generator has no permutation
+        perm = cupy.asarray(numpy.random.default_rng(self.seed + page_size).permutation(pages).astype(numpy.int32))
         out = []
         for x in (self.k, self.v):  # moved as 16-bit words: the scatter needs no bf16 arithmetic
             paged = cupy.empty((pages, page_size, s.kv_heads, s.headdim), dtype=x.dtype)

@@ -51,7 +51,9 @@ class Fa2Tiles:
 # rejected candidates (spills): bench/NOTES.md, "FA2 forward: static analysis".
 FA2_TILES = {
     32: Fa2Tiles(block_m=128, block_n=64, warps=4, q_in_regs=True),
-    64: Fa2Tiles(block_m=128, block_n=64, warps=4, q_in_regs=True),
+    # 128 keys per tile loaded, computed 64 at a time: half the barriers and copy setup of 64-key tiles;
+    # H200 (scripts/tune_fa2.py, session 3): 303-317 TF/s vs 296-310 for 128 x 64, torch flash 297-309.
+    64: Fa2Tiles(block_m=128, block_n=128, warps=4, compute_n=64, q_in_regs=True),
     96: Fa2Tiles(block_m=128, block_n=32, warps=4),
     128: Fa2Tiles(block_m=128, block_n=32, warps=4),
     192: Fa2Tiles(block_m=64, block_n=32, warps=4),

@@ -5,7 +5,7 @@
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode"), their arguments BENCH_ARGS. Extra pytest
-# arguments: PYTEST_ARGS="-k fa1".
+# arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -15,8 +15,8 @@ export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
-risky="tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
-       tests/test_bench_gpu.py tests/test_adapters_gpu.py"
+risky=${RISKY:-"tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
+       tests/test_bench_gpu.py tests/test_adapters_gpu.py"}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -42,7 +42,9 @@ for stage in "${stages[@]}"; do
       for f in $risky; do
         name=$(basename "$f" .py)
         echo "##### $name" >> "$OUT/risky.log"
-        timeout ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-} \
+        # SIGINT first: pytest stops and still prints its summary and the slowest tests
+        timeout -s INT -k 20 ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider --durations=8 \
+          ${PYTEST_ARGS:-} \
           > /tmp/risky-$name.log 2>&1 || status=1
         cat /tmp/risky-$name.log >> "$OUT/risky.log"
         echo "$name: $(grep -E "^(FAILED|ERROR)" /tmp/risky-$name.log | head -5)"; tail -1 /tmp/risky-$name.log

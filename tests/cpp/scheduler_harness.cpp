@@ -1,0 +1,47 @@
+// Host build of kernels_cu/common/tile_scheduler.cuh, so the CPU tier checks the very code the FA3
+// forward runs (tests/test_tile_scheduler.py builds this into a shared library and calls it through ctypes).
+//
+//   g++ -std=c++17 -O1 -fwrapv -shared -fPIC -I kernels_cu/common tests/cpp/scheduler_harness.cpp -o libsched.so
+//
+// The CUDA qualifiers are defined away, blockIdx / gridDim are host globals the entry point sets, and the
+// few device intrinsics of types.cuh get host stand-ins (never called here).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#define __device__
+#define __forceinline__ inline
+using std::max;
+using std::min;
+
+struct HostDim3 {
+    unsigned x = 0, y = 1, z = 1;
+};
+static HostDim3 blockIdx, gridDim;
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+
+#include "tile_scheduler.cuh"
+
+extern "C" {
+
+// Walks every block's tiles in the order the kernel does: out[k] = (block, m_block, head, batch) of the
+// k-th tile visited, blocks in order. Returns how many were written, or -1 if more than `capacity`.
+long long scheduler_walk(int m_blocks, int heads, int batch, int section, int grid, int32_t* out, long long capacity) {
+    long long count = 0;
+    gridDim.x = unsigned(grid);
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = unsigned(b);
+        for (TileScheduler sched(m_blocks, heads, batch, section); sched.valid(); sched.advance()) {
+            if (count >= capacity) return -1;
+            const Tile t = sched.tile();
+            int32_t* row = out + 4 * count++;
+            row[0] = b, row[1] = t.m_block, row[2] = t.head, row[3] = t.batch;
+        }
+    }
+    return count;
+}
+
+int scheduler_section_heads(long long kv_bytes_per_head) { return l2_section_heads(kv_bytes_per_head); }
+
+}  // extern "C"
