@@ -74,7 +74,7 @@ BWD_DQ_TMA = True
 def bwd_variant(headdim: int, dtype: str, dq_tma: bool | None = None) -> Variant:
     dq_tma = BWD_DQ_TMA if dq_tma is None else dq_tma
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
-    dq_bytes = 2 * BWD_BLOCK_M * headdim * 4 if dq_tma else 1024 + 32
+    dq_bytes = 2 * BWD_BLOCK_M * 64 * 4 if dq_tma else 32  # per consumer: one 64-column fp32 atom of dQ
     smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + 8 * 5 + 2048  # + barriers, + alignment slack
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",

@@ -2,10 +2,12 @@
 # compute-sanitizer over every kernel family: memcheck, racecheck, synccheck and initcheck, each tool in a
 # run of its own over scripts/sanitize_driver.py (representative variants: smallest and largest head dim,
 # causal and not, Sq != Sk both ways with odd lengths, GQA, one row, a window, softcap/ALiBi where the
-# family has them; small shapes so racecheck finishes quickly).
+# family has them; the family "decode" runs flash_attn_with_kvcache on contiguous and paged caches with
+# ragged lengths, unsplit and split (its combine kernel), with the append + rotary, and flash_attn_combine
+# on its own; small shapes so racecheck finishes quickly).
 #
 #   scripts/sanitize.sh                  every tool x every family this package and GPU have
-#   SANITIZE_TOOLS="memcheck" SANITIZE_FAMILIES="fa1-bwd" scripts/sanitize.sh
+#   SANITIZE_TOOLS="memcheck" SANITIZE_FAMILIES="fa1-bwd decode" scripts/sanitize.sh
 #
 # Prints one line per (tool, family) and "sanitize: N runs, M with errors"; logs go to
 # ${OUT:-out}/sanitize-<tool>-<family>.log (and sanitize-warmup.log). Exits non-zero when any run found

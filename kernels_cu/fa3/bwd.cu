@@ -1,4 +1,4 @@
-// FA3-style attention backward for Hopper (sm_90a), version 0: wgmma for all five products, TMA loads
+// FA3-style attention backward for Hopper (sm_90a), version 1: wgmma for all five products, TMA loads
 // through an mbarrier ring, warp specialisation.
 //
 // A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
@@ -9,9 +9,11 @@
 //       S^T  = K Q^T,  dP^T = V dO^T            (64 keys x 64 queries; both operands in shared memory)
 //       P^T  = 2^(S^T c - lse log2 e),  dS^T = P^T o (dP^T - D)        (registers; D = rowsum(dO o O))
 //       dV  += P^T dO,  dK += dS^T Q           (P^T, dS^T fed from registers; dO, Q read MN-major)
-//       dQ   = dS K over its 64 keys           (dS^T through shared memory; both operands MN-major),
+//     and writes dS^T to shared memory; then, over all BN keys (both consumers' dS^T),
+//       dQ   = dS K, one 64-column atom per consumer (both operands MN-major),
 //     added to the fp32 dQ accumulator (common/bwd_aux.cu zeroes it first, converts it last): with
-//     DQ_TMA through shared memory and one TMA reduce-add per 32-column box, else with atomics.
+//     DQ_TMA through shared memory and one TMA reduce-add per 32-column box, else with atomics. Each dQ
+//     element is added once per block and step (version 0 added two 64-key halves: twice the traffic).
 //   At the end dK (times the softmax scale) and dV are stored from registers.
 // Not yet: softcap, varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
@@ -40,13 +42,15 @@ struct Smem {
     alignas(1024) unsigned char v[KV_BYTES];
     alignas(1024) unsigned char q[STAGES][QB_BYTES];  // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char dout[STAGES][QB_BYTES];
-    alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle
-    alignas(1024) unsigned char dq[2][DQ_TMA ? D / 32 * DQ_BOX_BYTES : 16];  // per consumer: dQ boxes
+    alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle;
+                                                      // together [BN keys][BM queries] (dQ reads both)
+    alignas(1024) unsigned char dq[2][DQ_TMA ? 2 * DQ_BOX_BYTES : 16];  // per consumer: its dQ atom as two boxes
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
-constexpr int DS_BAR = 1;  // + consumer: the 128 threads of one consumer warpgroup
+// Named barriers: both consumers (256 threads) around the shared dS^T, and per consumer (128) for its dQ buffer.
+constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
 
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
@@ -182,9 +186,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 issue_acc_ay(dk, dsa, sm.q[s]);
                 wgmma_commit();
 
-                // dS^T to shared memory for dQ (the previous step's dQ GEMM has finished reading it: every
-                // warp waited for it; the barrier makes that true for the whole warpgroup).
-                named_sync(DS_BAR + c, 128);
+                // dS^T to shared memory for dQ: both consumers' dQ GEMMs of the last step, which read both
+                // halves of sm.ds, are done (each waited for its own before arriving here).
+                named_sync(DS_FREE_BAR, 256);
 #pragma unroll
                 for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
@@ -194,41 +198,57 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                             dsa[j / 2][2 * (j % 2) + hh];
                     }
                 fence_async_smem();
-                named_sync(DS_BAR + c, 128);
+                named_sync(DS_READY_BAR, 256);  // dS^T of all BN keys is in sm.ds
 
                 wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
                 wgmma_fence_regs(dk);
                 wgmma_fence_regs(dv);
                 if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
 
-                // dQ (BM x D) = dS (BM x 64 keys) K (64 keys x D), 64 columns (one atom of K) at a time to keep
-                // registers for dK and dV: A = dS^T read MN-major, B = K MN-major.
-                if (DQ_TMA && t == 0) tma_store_wait_read();  // the last step's reduce has read sm.dq
-                if (DQ_TMA) named_sync(DS_BAR + c, 128);
-#pragma unroll
-                for (int a = 0; a < ATOMS; ++a) {
+                // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
+                // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
+                // added twice the bytes). At d = 128 consumer c takes atom (c + i) % 2, at d = 64 the
+                // consumers take turns. A = dS^T read MN-major from both halves of sm.ds, B = K MN-major;
+                // the descriptors advance from one base each (hoisting all 16 cost ptxas registers: spills).
+                if (ATOMS == 2 || i % 2 == c) {
+                    const int a = ATOMS == 2 ? (c + i) % 2 : 0;
+                    if (DQ_TMA && t == 0) tma_store_wait_read();  // this consumer's last reduce has read sm.dq[c]
+                    const u64 desc_ds = wgmma_desc_mn(sm.ds[0], 64 * 128);
+                    const u64 desc_k = wgmma_desc_mn(sm.k + a * BN * 128, BN * 128);
                     float dq[32];
                     wgmma_fence();
 #pragma unroll
-                    for (int kk = 0; kk < 64 / 16; ++kk)
-                        wgmma_ss_mn<64>(dq, wgmma_desc_mn(ds + kk * 16 * 128, 64 * 128),
-                                        wgmma_desc_mn(k_rows + a * BN * 128 + kk * 16 * 128, BN * 128), kk > 0);
+                    for (int kk = 0; kk < BN / 16; ++kk)
+                        wgmma_ss_mn<64>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
+                                        wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
                     wgmma_commit();
+                    if (DQ_TMA) named_sync(DQ_BAR + c, 128);  // ... for the whole warpgroup
                     wgmma_wait<0>();
                     wgmma_fence_regs(dq);
                     if constexpr (DQ_TMA) {
-                        // Into sm.dq as the dQ tensor map's boxes (64 rows x 32 fp32, 128-byte swizzle: 16-byte
-                        // chunk c of row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
+                        // Into sm.dq[c] as two boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte swizzle:
+                        // 16-byte chunk c of row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
 #pragma unroll
                         for (int j = 0; j < 8; ++j)
 #pragma unroll
                             for (int hh = 0; hh < 2; ++hh) {
-                                const int r = 16 * ln.w + ln.g + 8 * hh, box = 2 * a + j / 4;
+                                const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
                                 const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
                                 *reinterpret_cast<float2*>(sm.dq[c] + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
                                                            8 * (ln.q4 % 2)) =
                                     make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
                             }
+                        // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows
+                        // past seqlen_q fall out of bounds instead of into the next head.
+                        fence_async_smem();
+                        named_sync(DQ_BAR + c, 128);
+                        if (t == 0) {
+#pragma unroll
+                            for (int box = 0; box < 2; ++box)
+                                tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32, m * BM,
+                                                  batch * p.heads + h);
+                            tma_store_commit();
+                        }
                     } else {
                         float* dq_rows = p.dq_accum + (row_base + m * BM) * D;
 #pragma unroll
@@ -238,19 +258,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                 const int r = 16 * ln.w + ln.g + 8 * (e / 2), col = a * 64 + 8 * j + 2 * ln.q4 + e % 2;
                                 if (m * BM + r < p.seqlen_q) atomicAdd(dq_rows + i64(r) * D + col, dq[4 * j + e]);
                             }
-                    }
-                }
-                if constexpr (DQ_TMA) {
-                    // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
-                    // seqlen_q fall out of bounds instead of into the next head.
-                    fence_async_smem();
-                    named_sync(DS_BAR + c, 128);
-                    if (t == 0) {
-#pragma unroll
-                        for (int box = 0; box < D / 32; ++box)
-                            tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, box * 32, m * BM,
-                                              batch * p.heads + h);
-                        tma_store_commit();
                     }
                 }
             }
