@@ -37,9 +37,9 @@ def replay_us(fn, reps=200):
 
 def probe(batch, cache_len, splits_list):
     rng = cupy.random.default_rng(0)
-    q = rng.standard_normal((batch, 1, HEADS, D), dtype=cupy.float32).astype(cupy.bfloat16)
-    k = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype(cupy.bfloat16)
-    v = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype(cupy.bfloat16)
+    q = rng.standard_normal((batch, 1, HEADS, D), dtype=cupy.float32).astype("bfloat16")
+    k = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype("bfloat16")
+    v = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype("bfloat16")
     seqlens = cupy.full((batch,), cache_len, dtype=cupy.int32)
     nbytes = 2 * k.nbytes
     dst = cupy.empty_like(k)

@@ -4,7 +4,8 @@ the host (tests/cpp/scheduler_harness.cpp, g++) and walked for every block of a 
 Properties:
   * every (query block, head, batch) tile is visited exactly once over all blocks, for full and partial
     last rounds and sections that do or do not divide the (head, batch) pairs;
-  * serpentine rounds: in round r block b takes position b (r even) or gridDim.x - 1 - b (r odd);
+  * rounds: block b takes position b of every round, except with a single section (serpentine), where
+    odd rounds give it position gridDim.x - 1 - b;
   * L2 sections: the tiles of any section-long stretch of the order span at most `section` pairs, and
     within a section the query blocks come heaviest (last) first;
   * balance: with causal costs (query block m sees m + 1 key blocks) the busiest block's work stays within
@@ -70,7 +71,7 @@ SHAPES = [  # m_blocks, heads, batch, section, grid
 
 
 @pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES)
-def test_every_tile_once_in_serpentine_sectioned_order(lib, m_blocks, heads, batch, section, grid):
+def test_every_tile_once_in_round_order(lib, m_blocks, heads, batch, section, grid):
     rows = walk(lib, m_blocks, heads, batch, section, grid)
     total = m_blocks * heads * batch
     assert len(rows) == total
@@ -80,7 +81,7 @@ def test_every_tile_once_in_serpentine_sectioned_order(lib, m_blocks, heads, bat
     for block in range(grid):
         mine = rows[rows[:, 0] == block]
         for r, (_, m, h, b) in enumerate(mine):
-            pos = block if r % 2 == 0 else grid - 1 - block
+            pos = grid - 1 - block if r % 2 and section >= heads * batch else block
             assert linear_index(m_blocks, heads, batch, section, m, h, b) == r * grid + pos, (block, r)
 
 
