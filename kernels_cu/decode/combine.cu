@@ -2,7 +2,8 @@
 // cuflash.flash_attn_combine. One warp per output row (batch entry, query, head):
 //   lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) * out_s
 // in a pass over the row's split LSEs for the maximum, one for the sum of exponentials, and one over
-// the partial rows (lanes over consecutive columns: each split's row is read in 128-byte pieces). A
+// the partial rows (lanes over consecutive columns: each split's row is read in 128-byte pieces, eight
+// splits' loads in flight at once). A
 // split with lse -inf has weight 0 and its partial row is never read (it may hold anything); a row with
 // every split at -inf gives out 0 and lse -inf.
 // Compile-time constant: CUFLASH_OUT_DTYPE (0 bf16, 1 fp16, 2 fp32). Head dim and split count are
@@ -21,7 +22,8 @@ struct CombineParams {
 };
 
 constexpr int WARPS = CUFLASH_THREADS / 32;
-constexpr int COLS = 8;  // columns per lane per pass over the splits: 256 columns per pass
+constexpr int COLS = 4;    // columns per lane per pass over the splits: 128 columns per pass
+constexpr int SPLITS = 8;  // splits whose partial rows are loaded at once
 constexpr float LOG2E = 1.44269504088896341f;
 
 __device__ __forceinline__ void store(void* o, i64 idx, float x) {
@@ -66,19 +68,32 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) attn_combine(const
     total = warp_sum(total);
     const float inv = total > 0.f ? 1.f / total : 0.f;
 
+    // The partial rows, SPLITS splits per pass: their LSEs, then their values, are loaded together so a
+    // pass waits for two round trips to L2 instead of two per split (one warp per row: the row's latency
+    // is the kernel's, e.g. 33 splits at batch 1).
     const i64 out_row = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
     for (int c0 = 0; c0 < p.headdim; c0 += 32 * COLS) {
         float acc[COLS] = {};
-        for (int s = 0; s < p.num_splits; ++s) {
-            const float x = lse_s[s * p.lp_split_stride];  // the same address in every lane: one broadcast load
-            if (x == neg_inf()) continue;
-            const float w = exp2f((x - base) * LOG2E) * inv;
-            const float* src = o_s + s * p.op_split_stride;
+        for (int s0 = 0; s0 < p.num_splits; s0 += SPLITS) {
+            float w[SPLITS], x[SPLITS][COLS];
 #pragma unroll
-            for (int e = 0; e < COLS; ++e) {
-                const int c = c0 + lane + 32 * e;
-                if (c < p.headdim) acc[e] += w * src[c];
+            for (int u = 0; u < SPLITS; ++u) {  // the same address in every lane: broadcast loads
+                const float l = s0 + u < p.num_splits ? lse_s[(s0 + u) * p.lp_split_stride] : neg_inf();
+                w[u] = l == neg_inf() ? 0.f : exp2f((l - base) * LOG2E) * inv;
             }
+#pragma unroll
+            for (int u = 0; u < SPLITS; ++u) {
+                const float* src = o_s + (s0 + u) * p.op_split_stride;
+#pragma unroll
+                for (int e = 0; e < COLS; ++e) {
+                    const int c = c0 + lane + 32 * e;
+                    x[u][e] = w[u] != 0.f && c < p.headdim ? src[c] : 0.f;  // a -inf split is never read
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < SPLITS; ++u)
+#pragma unroll
+                for (int e = 0; e < COLS; ++e) acc[e] += w[u] * x[u][e];
         }
 #pragma unroll
         for (int e = 0; e < COLS; ++e) {
