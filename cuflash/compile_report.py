@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import _bwd_aux, decode, fa1, fa2, fa3
+from . import _bwd_aux, decode, fa1, fa2, fa3, fp8
 from ._jit import Compiled, CompileError, Variant, compile_variant
 
 # Every kernel family contributes its variants for an arch here (Hopper-only families return none for
@@ -28,10 +28,15 @@ VARIANT_SOURCES = {
     "fa3": fa3.all_variants,
     "bwd_aux": lambda arch: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
     "decode": lambda arch: decode.all_variants(),  # 12 attention + 4 append/rotary + 3 combine
+    "fp8": fp8.all_variants,  # quantisation to e4m3 (sm_89 and newer): 2 dtypes x 3 head dims x rotation on/off
 }
 
-# Opcodes that show a kernel uses the hardware it was written for.
-OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG")
+# Opcodes that show a kernel uses the hardware it was written for. A plain name counts every instruction
+# whose opcode starts with it (HMMA counts HMMA.16816.F32.BF16); a name with modifiers counts the
+# instructions whose full mnemonic starts with it (F2FP.SATFINITE.E4M3: the fp32 -> e4m3 conversion, not
+# the bf16/fp16 packing that is F2FP too).
+OPCODES = ("HMMA", "HGMMA", "QGMMA", "LDGSTS", "LDSM", "UTMALDG", "UTMASTG", "UTMAREDG", "USETMAXREG",
+           "F2FP.SATFINITE.E4M3")
 # ptxas advisories that mean a wgmma got serialised (the kernel then runs far below its design).
 SERIALISING_ADVISORIES = ("C7517", "C7510", "wgmma.wait_group", "serialized", "serialised")
 
@@ -87,7 +92,7 @@ def find_tool(name: str) -> str | None:
 
 
 def count_opcodes(cubin: bytes) -> dict[str, int] | None:
-    """Occurrences of each opcode in OPCODES (prefix match: HMMA.16816.F32.BF16 counts as HMMA)."""
+    """Occurrences of each opcode in OPCODES (prefix match: HMMA.16816.F32.BF16 counts as HMMA; see OPCODES)."""
     tool = find_tool("nvdisasm")
     if tool is None:
         return None
@@ -99,9 +104,13 @@ def count_opcodes(cubin: bytes) -> dict[str, int] | None:
     finally:
         os.unlink(path)
     counts = collections.Counter()
-    for m in re.finditer(r"^\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.MULTILINE):
-        counts[m.group(1)] += 1
-    return {op: sum(n for name, n in counts.items() if name == op or name.startswith(op)) for op in OPCODES}
+    for m in re.finditer(r"^\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.MULTILINE):
+        counts[m.group(1)] += 1  # the full mnemonic, modifiers included
+
+    def matches(mnemonic: str, op: str) -> bool:
+        return (mnemonic if "." in op else mnemonic.split(".")[0]).startswith(op)
+
+    return {op: sum(n for name, n in counts.items() if matches(name, op)) for op in OPCODES}
 
 
 def report_variant(variant: Variant, arch: str) -> dict:

@@ -1017,3 +1017,135 @@ def decode_split_model(q, k_cache, v_cache, *, seqlens_k, page_table=None, cache
                         lse_part[split, b, head, qi] = numpy.where(seen, m + numpy.log(numpy.where(seen, l, 1.0)),
                                                                    -numpy.inf)
     return o_part, lse_part
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 quantisation (cuflash.fp8.quantize)
+# ----------------------------------------------------------------------------------------------------
+
+def fwht(x):
+    """Un-normalised fast Walsh-Hadamard transform along the last axis: x @ H_d, H_d the Sylvester Hadamard
+    matrix (symmetric, H_d H_d = d I). Computed in x's dtype with the kernel's butterflies in its order:
+    stage h = 1, 2, ..., d/2 maps each pair (i, i + h), bit h of i clear, to (x_i + x_{i+h}, x_i - x_{i+h}),
+    so in float32 it reproduces the kernel's rounding exactly."""
+    x = numpy.asarray(x)
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"the last dimension must be a power of two; got {d}")
+    y, h = x, 1
+    while h < d:
+        pairs = y.reshape(x.shape[:-1] + (d // (2 * h), 2, h))
+        lo, hi = pairs[..., 0, :], pairs[..., 1, :]
+        y = numpy.stack((lo + hi, lo - hi), axis=-2).reshape(x.shape)
+        h *= 2
+    return y
+
+
+def hadamard_rotate(x, seed, *, inverse=False):
+    """The rotation of ``cuflash.fp8.quantize(hadamard=True, seed=seed)`` in float64 along the last axis:
+    x diag(s) H_d / sqrt(d), or with ``inverse=True`` its inverse (and transpose) y H_d diag(s) / sqrt(d)."""
+    from .fp8 import hadamard_signs
+
+    x = _to_numpy(x).astype(numpy.float64)
+    d = x.shape[-1]
+    s = hadamard_signs(d, seed).astype(numpy.float64)
+    if inverse:
+        return fwht(x) / math.sqrt(d) * s
+    return fwht(x * s) / math.sqrt(d)
+
+
+def e4m3_bits(x):
+    """float32 values -> OCP float8_e4m3fn bit patterns (uint8): round to nearest even, saturating to
+    ±448 (``cvt.rn.satfinite``: finite values and ±inf clip to ±448, NaN stays NaN)."""
+    import ml_dtypes
+
+    x = numpy.asarray(x, dtype=numpy.float32)
+    return numpy.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(numpy.uint8)
+
+
+def e4m3_values(bits):
+    """uint8 e4m3 bit patterns -> float32 values."""
+    import ml_dtypes
+
+    return numpy.asarray(bits, dtype=numpy.uint8).view(ml_dtypes.float8_e4m3fn).astype(numpy.float32)
+
+
+def e4m3_ulp_distance(a, b):
+    """How many e4m3 steps apart two arrays of e4m3 bit patterns are (int array; +0 and -0 are 0 apart).
+    NaN patterns (0x7f, 0xff) are 0 apart from each other and 255 from anything else."""
+    a, b = (numpy.asarray(v, dtype=numpy.uint8).astype(numpy.int32) for v in (a, b))
+
+    def ordered(v):  # sign-magnitude -> a line of integers
+        mag = v & 0x7F
+        return numpy.where(v & 0x80, -mag, mag)
+
+    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    dist = numpy.abs(ordered(a) - ordered(b))
+    return numpy.where(nan_a | nan_b, numpy.where(nan_a & nan_b, 0, 255), dist)
+
+
+def _group_amax(y, block):
+    """max |y| (NaN left out) over each (batch, head, block of rows) of y (batch, seqlen, heads, d):
+    (batch, heads, num_blocks), in y's dtype."""
+    b, s, h, d = y.shape
+    nblk = -(-s // block)
+    a = numpy.abs(y)
+    if nblk * block != s:  # zero rows do not change a max of absolute values
+        a = numpy.concatenate((a, numpy.zeros((b, nblk * block - s, h, d), a.dtype)), axis=1)
+    a = a.reshape(b, nblk, block, h, d).transpose(0, 3, 1, 2, 4).reshape(b, h, nblk, block * d)
+    return numpy.fmax.reduce(a, axis=-1, initial=0.0)  # fmax: NaN loses
+
+
+def _per_row(g, block, seqlen):
+    """(batch, heads, num_blocks) -> (batch, seqlen, heads, 1): each row gets its group's value."""
+    return numpy.repeat(g, block, axis=2)[:, :, :seqlen].transpose(0, 2, 1)[..., None]
+
+
+def fp8_quantize(x, block=128, hadamard=True, seed=0, *, compute_dtype="float64"):
+    """NumPy reference of ``cuflash.fp8.quantize``: ``(data, descale)``, data uint8 (batch, seqlen, heads, d)
+    e4m3 bit patterns, descale float32 (batch, heads, ceil(seqlen / block)).
+
+    ``compute_dtype="float64"`` (default) is the math: x_rot = x diag(s) H_d / sqrt(d) (or x), amax = max
+    |x_rot| per (batch, head, block of rows) (NaN left out), descale = amax / 448, data = e4m3(x_rot /
+    descale); the float64 quotient is rounded to float32, then to e4m3 (ml_dtypes converts through float32
+    too). ``"float32"`` repeats the kernel's own fp32 arithmetic (kernels_cu/fp8/quantize.cu, top comment):
+    y = fwht(x * s) un-normalised in fp32, a = max |y|, data = e4m3(y * fp32(448 / a)), descale = a *
+    fp32(1 / (448 sqrt(d))); the kernel should match it bit for bit. Both apply the kernel's edge rules: a
+    group of zeros gets descale 1, and an amax below fp8.AMAX_FLOOR (on the un-normalised values) is
+    raised to it.
+    """
+    from .fp8 import AMAX_FLOOR, FP8_MAX, descale_per_amax, hadamard_signs
+
+    x = _to_numpy(x)
+    b, s, h, d = x.shape
+    blk = s if block is None else min(int(block), s)
+    ct = numpy.dtype(compute_dtype)
+    y = x.astype(numpy.float32).astype(ct)  # bf16 / fp16 -> float32 is exact
+    if hadamard:
+        y = fwht(y * hadamard_signs(d, seed).astype(ct))
+    amax = _group_amax(y, blk)  # of the un-normalised values
+    zero = amax == 0
+    a = numpy.fmax(amax, ct.type(AMAX_FLOOR))
+    if ct == numpy.float64:
+        norm = math.sqrt(d) if hadamard else 1.0
+        descale = numpy.where(zero, 1.0, a / (FP8_MAX * norm))  # amax(x_rot) / 448
+        q = (y / norm) / _per_row(descale, blk, s)
+        data = e4m3_bits(q.astype(numpy.float32))
+        return numpy.ascontiguousarray(data), numpy.ascontiguousarray(descale, dtype=numpy.float32)
+    if ct != numpy.float32:
+        raise ValueError(f"compute_dtype must be 'float64' or 'float32'; got {compute_dtype!r}")
+    with numpy.errstate(divide="ignore"):
+        inv = numpy.where(zero, numpy.float32(1), numpy.float32(FP8_MAX) / a).astype(numpy.float32)
+    descale = numpy.where(zero, numpy.float32(1), a * descale_per_amax(d, hadamard)).astype(numpy.float32)
+    data = e4m3_bits(y * _per_row(inv, blk, s))
+    return numpy.ascontiguousarray(data), numpy.ascontiguousarray(descale)
+
+
+def fp8_dequantize(data, descale, block=128, hadamard=True, seed=0):
+    """float64 x back from ``fp8_quantize``'s / ``cuflash.fp8.quantize``'s output: e4m3 values times their
+    group's descale, then the rotation undone (``hadamard_rotate(..., inverse=True)``)."""
+    data, descale = _to_numpy(data), _to_numpy(descale)
+    s = data.shape[1]
+    blk = s if block is None else min(int(block), s)
+    x_rot = e4m3_values(data).astype(numpy.float64) * _per_row(descale.astype(numpy.float64), blk, s)
+    return hadamard_rotate(x_rot, seed, inverse=True) if hadamard else x_rot

@@ -150,3 +150,17 @@ def test_fa3_backward_machine_code(report):
         ops = r["opcodes"]
         assert ops["HGMMA"] >= 5 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
         assert (ops["UTMAREDG"] > 0) == ("dq_tma=1" in r["name"]), r["name"]
+
+
+def test_fp8_converts_with_the_e4m3_instruction(report):
+    """fp8 quantisation variants (sm_89 and newer; none for sm_80): 2 dtypes x 3 head dims x rotation on/off,
+    each converting with the hardware's fp32 -> e4m3 instruction (cvt.rn.satfinite.e4m3x2.f32 ->
+    F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C), not a software rounding."""
+    arch, _, rows, _ = report
+    fp8_rows = [r for r in rows if r["family"] == "fp8"]
+    if arch == "sm_80":
+        assert not fp8_rows
+        return
+    assert len(fp8_rows) == 12
+    for r in fp8_rows:
+        assert r["opcodes"]["F2FP.SATFINITE.E4M3"] > 0, r["name"]

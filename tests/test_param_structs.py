@@ -1,10 +1,10 @@
-"""Every kernel parameter struct in C (FA1, FA2, FA3, the backward passes, decode) and its numpy mirror in
+"""Every kernel parameter struct in C (FA1, FA2, FA3, the backward passes, decode, fp8) and its numpy mirror in
 Python agree field by field (CPU tier): NVRTC compiles a probe of static_asserts on sizeof and offsetof.
 A mismatch would hand kernels garbage."""
 import numpy as np
 import pytest
 
-from cuflash import _bwd_aux, _jit, decode, fa1, fa2, fa3
+from cuflash import _bwd_aux, _jit, decode, fa1, fa2, fa3, fp8
 
 # (C struct, numpy mirror, file that defines the struct, defines that file needs)
 STRUCTS = [
@@ -18,6 +18,7 @@ STRUCTS = [
     ("DecodeParams", decode.FWD_PARAMS, "decode/params.cuh", ()),
     ("AppendParams", decode.APPEND_PARAMS, "decode/params.cuh", ()),
     ("CombineParams", decode.COMBINE_PARAMS, "decode/combine.cu", (("CUFLASH_OUT_DTYPE", 2),)),
+    ("Fp8QuantParams", fp8.PARAMS, "fp8/params.cuh", ()),
 ]
 
 
