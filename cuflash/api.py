@@ -416,7 +416,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     of an int cache_seqlens. With both, the call allocates nothing, so a captured graph replays into
     fixed addresses that the caller owns (serving engines allocate these once per batch size). Size the
     workspace with the split count the call will use: ``num_splits`` when given, else
-    ``kvcache_num_splits(...)`` at the cache's capacity, an upper bound of what check=True picks. A
+    ``kvcache_num_splits(..., paged=page_table is not None)`` at the cache's capacity, an upper bound of
+    what check=True picks. A
     workspace that is too small is refused from the shapes alone. With ``return_softmax_lse=True`` the
     returned lse is a view into the workspace.
 
@@ -470,7 +471,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         mb = decode.m_blocks(dims)
         if splits == 0:
             splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
-                                       device_properties(call.device.id)["multiProcessorCount"])
+                                       device_properties(call.device.id)["multiProcessorCount"], paged=dims.paged)
         _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
         if "out" in spec:
             _validate.check_like(spec["out"], spec["q"])
@@ -521,9 +522,10 @@ def _workspace_parts(splits: int, rotary: bool, int_seqlens: bool) -> str:
     return ", ".join(parts)
 
 
-def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, device=None) -> int:
+def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, paged=False, device=None) -> int:
     """The number of KV splits ``flash_attn_with_kvcache(num_splits=0)`` uses on ``device`` (default: the
-    current one) for this call's sizes. ``max_keys``: the keys of the longest entry after the append --
+    current one) for this call's sizes; ``paged=True`` for a paged cache (a call with a ``page_table``), which
+    may take more splits. ``max_keys``: the keys of the longest entry after the append --
     with ``check=False`` the call takes the cache's capacity (k_cache.shape[1], or page_table.shape[1] x
     page_size); with ``check=True`` max(cache_seqlens) + seqlen_new, never more than the capacity, and the
     count never grows with fewer keys: the capacity's count bounds both (size workspaces with it)."""
@@ -539,7 +541,10 @@ def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, d
                          f"kv_heads and max_keys >= 0; got {batch}, {heads}, {kv_heads}, {seqlen_q}, {max_keys}")
     dims = _validate.KvDims(batch, seqlen_q, heads, kv_heads, headdim, "bfloat16", 0, False, 0, batch, max_keys)
     sms = device_properties(device_id() if device is None else device)["multiProcessorCount"]
-    return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms)
+    if not isinstance(paged, bool):
+        raise TypeError(f"paged must be a bool; got {type(paged).__name__}")
+    return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms,
+                             paged=paged)
 
 
 def kvcache_workspace_bytes(batch, heads, seqlen_q, headdim, num_splits, *, dtype="bfloat16", rotary=False,

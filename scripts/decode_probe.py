@@ -54,7 +54,7 @@ def probe(batch, cache_len, splits_list, page_size=0):
         k, v, table = paged[0], paged[1], perm.reshape(batch, per_entry)
     dst = cupy.empty_like(k)
     copy_us = replay_us(lambda: (cupy.copyto(dst, k), cupy.copyto(dst, v)))
-    auto = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len)
+    auto = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=bool(page_size))
     cache = f"page size {page_size}" if page_size else "contiguous"
     print(f"{batch}x{cache_len} {cache}: K+V {nbytes / 2**20:.0f} MiB; copy (read+write) {copy_us:6.1f} us; "
           f"heuristic num_splits {auto}", flush=True)

@@ -507,7 +507,7 @@ def test_unchecked_call_reads_nothing_on_the_host(spec_env, paged):
         _call(KV, args)()
     assert not cupy.asnumpy.called and not cupy.ndarray.get.called
     capacity = MAXP * PAGE if paged else CACHE
-    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132)
+    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132, paged=paged)
     assert spec_env["launches"][-1][1][12] == want
 
 
@@ -715,11 +715,21 @@ def test_split_heuristic():
     assert f(1, 1, 1, 1 << 20, 64, 132) == heuristics.DECODE_MAX_SPLITS  # capped
     assert f(1, 8, 1, 200, 64, 132) == 1  # 4 tiles: not worth a split
     assert f(1, 8, 1, 64 * 8, 64, 132) == 2  # 8 tiles: at least 4 per split
-    for batch in (1, 2, 4, 16, 100):
-        for keys in (1, 63, 64, 1000, 5000, 100000):
-            n = f(batch, 4, 1, keys, 64, 132)
-            assert 1 <= n <= heuristics.DECODE_MAX_SPLITS
-            assert n == 1 or -(-keys // 64) // n >= heuristics.DECODE_MIN_TILES_PER_SPLIT
+    # Paged caches: a grid of about one block per SM gets a second split (the page-table loads of one block
+    # are not hidden); contiguous caches and grids past one wave stay unsplit.
+    assert f(16, 8, 1, 8192, 64, 132, paged=True) == 2 and f(16, 8, 1, 8192, 64, 132) == 1  # 128 blocks
+    assert f(32, 8, 1, 8192, 64, 132, paged=True) == 1  # 256 blocks: two waves' worth already
+    assert f(16, 8, 1, 7 * 64, 64, 132, paged=True) == 1  # 7 tiles: no split of fewer than 4
+    assert f(1, 8, 1, 32768, 64, 132, paged=True) == 33  # small grids: as contiguous
+    for paged in (False, True):
+        for batch in (1, 2, 4, 16, 30, 33, 100):
+            previous = None
+            for keys in (1, 63, 64, 1000, 5000, 100000):
+                n = f(batch, 4, 1, keys, 64, 132, paged=paged)
+                assert 1 <= n <= heuristics.DECODE_MAX_SPLITS
+                assert n == 1 or -(-keys // 64) // n >= heuristics.DECODE_MIN_TILES_PER_SPLIT
+                assert previous is None or n >= previous, "more keys must never mean fewer splits"
+                previous = n
 
 
 # ----------------------------------------------------------------------------------------------------

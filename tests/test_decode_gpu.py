@@ -286,7 +286,7 @@ def test_graph_capture_and_replay(poison_allocations, paged, forced_splits):
         seqlens = cupy.asarray(np.asarray(lens0, np.int32))
         q, kc, vc, k, v = args["q"], args["k_cache"], args["v_cache"], args["k"], args["v"]
         pt = args.get("page_table")
-        splits = forced_splits or cuflash.api.kvcache_num_splits(b, h, hkv, 1, d, capacity)
+        splits = forced_splits or cuflash.api.kvcache_num_splits(b, h, hkv, 1, d, capacity, paged=paged)
         out = cupy.empty_like(q)
         ws = cupy.empty(cuflash.api.kvcache_workspace_bytes(b, h, 1, d, splits), dtype=cupy.uint8)
 
