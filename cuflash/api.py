@@ -88,6 +88,20 @@ def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> s
     return None
 
 
+def _backward_impl_for(impl: str, headdim: int, features) -> str:
+    """The ``impl`` for the backward of a forward that ran on ``impl``: the same family where its backward
+    takes this head dim and these features, else "auto" (a forward on impl="fa3" with softcap: FA3's
+    backward has no softcap yet, FA2's has). The framework adapters use it so that a training step does
+    not fail in the backward after its forward ran."""
+    family = _FAMILIES.get(impl)
+    if family is None:  # "auto", or a name flash_attn_backward refuses itself
+        return impl
+    if (family.BWD_FEATURES is None or headdim not in headdims(family, "backward")
+            or set(features) - family.BWD_FEATURES):
+        return "auto"
+    return impl
+
+
 def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward", features=frozenset()):
     """The kernel family module that runs this call; ValueError saying why when none can."""
     from ._device import compute_capability

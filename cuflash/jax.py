@@ -143,17 +143,12 @@ def _flash_attn_bwd(opts, residuals, dout):
 _flash_attn.defvjp(_flash_attn_fwd, _flash_attn_bwd)
 
 
-def _backward_impl(impl: str) -> str:
-    """The forward's kernel family for the backward where it has a backward kernel, else "auto"."""
-    family = getattr(_api, "_FAMILIES", {}).get(impl)
-    if family is not None and getattr(family, "BWD_FEATURES", None) is None:
-        return "auto"
-    return impl
-
-
-def _backward_kwargs(opts: _Options) -> dict:
+def _backward_kwargs(opts: _Options, headdim: int) -> dict:
+    """flash_attn_backward's options; the forward's kernel family where its backward runs the call, else
+    "auto"."""
+    features = _api._features(opts.causal, opts.window_size, 0.0, None, opts.deterministic)
     kwargs = dict(causal=opts.causal, softmax_scale=opts.softmax_scale, window_size=opts.window_size,
-                  impl=_backward_impl(opts.impl))
+                  impl=_api._backward_impl_for(opts.impl, headdim, features))
     if opts.deterministic:  # only when asked, so a cuflash without the option still runs the default
         kwargs["deterministic"] = True
     return kwargs
@@ -189,7 +184,7 @@ def _backward(dout, q, k, v, out, lse, opts: _Options):
     """(dq, dk, dv): eagerly through DLPack, or as a buffer callback when traced."""
     dout = dout.astype(q.dtype)
     if _is_concrete(dout, q, k, v, out, lse):
-        return _api.flash_attn_backward(dout, q, k, v, out, lse, **_backward_kwargs(opts))
+        return _api.flash_attn_backward(dout, q, k, v, out, lse, **_backward_kwargs(opts, q.shape[-1]))
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     return tuple(_callback("backward", opts, results)(dout, q, k, v, out, lse))
 
@@ -255,7 +250,7 @@ def _forward_into(qa, ka, va, out, lse, opts: _Options) -> None:
 def _backward_into(dout, qa, ka, va, oa, lse, dq, dk, dv, opts: _Options) -> None:
     import cupy
 
-    grads = _api.flash_attn_backward(dout, qa, ka, va, oa, lse, **_backward_kwargs(opts))
+    grads = _api.flash_attn_backward(dout, qa, ka, va, oa, lse, **_backward_kwargs(opts, qa.shape[-1]))
     for dst, src in zip((dq, dk, dv), grads):
         cupy.copyto(dst, src)
 

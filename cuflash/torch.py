@@ -154,7 +154,9 @@ def _attention_backward(dout, q, k, v, out, lse, softmax_scale, causal, window_l
     """(dq, dk, dv) from cuflash, each a new contiguous tensor of q's / k's / v's shape."""
     dq, dk, dv = _api.flash_attn_backward(
         _kernel_readable(dout), q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-        window_size=(window_left, window_right), impl=_backward_impl(impl),
+        window_size=(window_left, window_right),
+        impl=_backward_impl(impl, q.shape[-1], causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+                            dropout_p),
         **_backward_extras(softcap, alibi_slopes, deterministic),
         **_backward_dropout(_api.flash_attn_backward, dropout_p, dropout_seed, dropout_offset),
     )
@@ -182,7 +184,9 @@ def _varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_se
     dq, dk, dv = backward(
         _kernel_readable(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
         int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-        impl=_backward_impl(impl), validate=validate,
+        impl=_backward_impl(impl, q.shape[-1], causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+                            dropout_p, varlen=True),
+        validate=validate,
         **_backward_extras(softcap, alibi_slopes, deterministic, backward=backward),
         **_backward_dropout(backward, dropout_p, dropout_seed, dropout_offset),
     )
@@ -228,12 +232,12 @@ def _backward_dropout(backward, dropout_p, dropout_seed, dropout_offset) -> dict
     return kwargs
 
 
-def _backward_impl(impl: str) -> str:
-    """The forward's kernel family for the backward where it has a backward kernel, else "auto"."""
-    family = getattr(_api, "_FAMILIES", {}).get(impl)
-    if family is not None and getattr(family, "BWD_FEATURES", None) is None:
-        return "auto"
-    return impl
+def _backward_impl(impl: str, headdim: int, causal, window_left, window_right, softcap, alibi_slopes, deterministic,
+                   dropout_p, varlen=False) -> str:
+    """The forward's kernel family for the backward where its backward runs this call, else "auto"."""
+    features = _api._features(causal, (window_left, window_right), softcap, alibi_slopes, deterministic, varlen,
+                              dropout=True if dropout_p else None)
+    return _api._backward_impl_for(impl, headdim, features)
 
 
 def _kernel_readable(t):

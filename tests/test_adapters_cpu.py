@@ -525,20 +525,33 @@ def test_torch_backward_extras(monkeypatch):
     assert extras == {"softcap": 30.0, "alibi_slopes": slopes, "deterministic": True}
 
 
-def test_torch_backward_impl_falls_back_when_family_has_no_backward(monkeypatch):
+def test_torch_backward_impl_falls_back_when_family_cannot_run_the_backward(monkeypatch):
+    """The backward runs on the forward's family when that family's backward takes the call (head dim and
+    features), else on "auto": a forward that ran never leaves a backward that cannot."""
     _torch()
     import cuflash.torch as ct
 
     class NoBackward:
         BWD_FEATURES = None
+        HEADDIMS = (64,)
 
     class WithBackward:
-        BWD_FEATURES = frozenset({"causal"})
+        BWD_FEATURES = frozenset({"causal", "gqa"})
+        HEADDIMS = (64, 128)
+        BWD_HEADDIMS = (64,)
 
     monkeypatch.setattr(ct._api, "_FAMILIES", {"x": NoBackward, "y": WithBackward})
-    assert ct._backward_impl("x") == "auto"
-    assert ct._backward_impl("y") == "y"
-    assert ct._backward_impl("auto") == "auto"
+    plain = dict(causal=True, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+                 dropout_p=0.0)
+    assert ct._backward_impl("x", 64, **plain) == "auto"
+    assert ct._backward_impl("y", 64, **plain) == "y"
+    assert ct._backward_impl("y", 128, **plain) == "auto"  # the forward's head dim, not the backward's
+    assert ct._backward_impl("y", 64, **{**plain, "softcap": 30.0}) == "auto"
+    assert ct._backward_impl("y", 64, **{**plain, "deterministic": True}) == "auto"
+    assert ct._backward_impl("y", 64, **{**plain, "dropout_p": 0.1}) == "auto"
+    assert ct._backward_impl("y", 64, **{**plain, "window_left": 8}) == "auto"
+    assert ct._backward_impl("y", 64, **plain, varlen=True) == "auto"
+    assert ct._backward_impl("auto", 64, **plain) == "auto"
 
 
 def test_torch_cpu_tensors_are_refused_by_cuflash():
@@ -1247,8 +1260,12 @@ def test_jax_backward_kwargs():
     import cuflash.jax as cj
 
     opts = cj._Options(True, 0.5, (3, 0), "auto")
-    assert cj._backward_kwargs(opts) == dict(causal=True, softmax_scale=0.5, window_size=(3, 0), impl="auto")
-    assert cj._backward_kwargs(opts._replace(deterministic=True))["deterministic"] is True
+    assert cj._backward_kwargs(opts, 64) == dict(causal=True, softmax_scale=0.5, window_size=(3, 0), impl="auto")
+    assert cj._backward_kwargs(opts._replace(deterministic=True), 64)["deterministic"] is True
+    # The forward's family where its backward runs the call: FA3's has no deterministic mode and no d = 96.
+    assert cj._backward_kwargs(opts._replace(impl="fa3"), 64)["impl"] == "fa3"
+    assert cj._backward_kwargs(opts._replace(impl="fa3", deterministic=True), 64)["impl"] == "auto"
+    assert cj._backward_kwargs(opts._replace(impl="fa3"), 96)["impl"] == "auto"
 
 
 def test_jax_fold_helpers():
