@@ -19,7 +19,7 @@ deterministic=False)``
     ``cuflash.flash_attn_func``: q (batch, seqlen_q, heads, headdim), k/v (batch, seqlen_k, kv_heads,
     headdim), float16 or bfloat16, bottom-right aligned causal mask. Shapes and options are checked
     when the call is traced, with cuflash's messages. ``impl`` picks the forward's kernel family; the
-    backward uses the same family where that family has a backward kernel, otherwise "auto".
+    backward uses the same family where that family's backward takes the call, otherwise "auto".
     ``deterministic=True`` asks the backward for bit-reproducible gradients.
 ``HAS_BUFFER_CALLBACK``
     Whether the installed JAX has ``jax.experimental.buffer_callback`` (needed under transformations).

@@ -20,8 +20,9 @@ alibi_slopes=None, deterministic=False, return_lse=False, impl="auto")``
     options (softcap, ALiBi and dropout included; ``deterministic=True`` asks it for bit-reproducible
     gradients); an option the installed backward lacks makes the backward raise ``ValueError``, the
     forward alone works. ``impl`` picks the kernel family of the forward; the backward uses the same
-    family where that family has a backward kernel, otherwise "auto". Positional arguments follow
-    flash-attn's ``flash_attn_func`` (``dropout_p`` fourth), so switching is a change of import.
+    family where that family's backward takes the call (head dim, options), otherwise "auto".
+    Positional arguments follow flash-attn's ``flash_attn_func`` (``dropout_p`` fourth), so switching is
+    a change of import.
 ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
 impl="auto", deterministic=False, validate=True)``
