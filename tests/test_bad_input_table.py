@@ -664,6 +664,12 @@ def _param(case: Case):
 
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_bad_input(case: Case, request):
+    check_refused(case, request)
+
+
+def check_refused(case: Case, request) -> None:
+    """``case.call()`` raises ``case.exc`` whose message has ``case.words`` and names the argument (shared by
+    the bad-input tables of other modules: decode, fp8)."""
     if case.mode == "spec":
         request.getfixturevalue("spec_env")["cc"] = case.cc
     elif case.mode == "host":

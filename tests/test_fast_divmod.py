@@ -4,31 +4,18 @@ to 4096 and the large ones, over small numerators, random ones and the ends of [
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-if shutil.which("g++") is None:
-    pytest.skip("g++ is not installed: cannot build the host harness for fast_divmod.cuh", allow_module_level=True)
+from host_harness import build
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(REPO, "tests", "cpp", "fast_divmod_harness.cpp")
-COMMON = os.path.join(REPO, "kernels_cu", "common")
 _i32p = ctypes.POINTER(ctypes.c_int32)
 
 
 @pytest.fixture(scope="module")
 def fast_divmod(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fast_divmod") / "libfast_divmod.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-fwrapv", "-Wall", "-Wextra", "-shared", "-fPIC", "-I", COMMON, HARNESS,
-           "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        pytest.fail(f"building the fast_divmod.cuh host harness failed:\n{' '.join(cmd)}\n{res.stderr}")
-    lib = ctypes.CDLL(str(out))
+    lib = build("fast_divmod_harness.cpp", "common", tmp_path_factory.mktemp("fast_divmod"))
     lib.fast_divmod.argtypes = [ctypes.c_int, _i32p, _i32p, _i32p, ctypes.c_longlong]
     lib.fast_divmod.restype = None
 

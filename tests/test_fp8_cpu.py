@@ -21,10 +21,7 @@ import ctypes
 import inspect
 import math
 import os
-import shutil
-import subprocess
 import sys
-from typing import Callable, NamedTuple
 from unittest import mock
 
 import ml_dtypes
@@ -34,8 +31,8 @@ import pytest
 import cuflash
 from cuflash import _device, compile_report, fp8
 from cuflash import reference as ref
-from cuflash._interop import Spec
-from test_bad_input_table import _ReachedKernel, _SpecCall  # the same stand-ins
+from host_harness import build
+from test_bad_input_table import Case, _ReachedKernel, _SpecCall, check_refused, spec  # the same stand-ins
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, S, H, D = 2, 77, 3, 128
@@ -108,16 +105,9 @@ def test_signs_refuse_a_bad_d(bad):
         fp8.hadamard_signs(bad, 0)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 def test_the_kernel_draws_the_same_signs(tmp_path):
     """kernels_cu/fp8/signs.cuh built on the host (tests/cpp/fp8_signs_harness.cpp) against hadamard_signs."""
-    lib_path = tmp_path / "libfp8_signs.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-Wall", "-Wextra", "-shared", "-fPIC", "-I",
-           os.path.join(REPO, "kernels_cu", "fp8"), os.path.join(REPO, "tests", "cpp", "fp8_signs_harness.cpp"),
-           "-o", str(lib_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build("fp8_signs_harness.cpp", "fp8", tmp_path)
     lib.fp8_sign_bits.argtypes = [ctypes.c_uint, ctypes.c_int, ctypes.POINTER(ctypes.c_uint8)]
     lib.fp8_sign_bits.restype = None
     for seed in (0, 1, 7, 2 ** 31 + 5, 2 ** 32, 2 ** 40 + 3, 2 ** 64 - 1):
@@ -320,30 +310,6 @@ def test_tiles_cover_each_row_once(seqlen, block):
 # bad input
 # ----------------------------------------------------------------------------------------------------
 
-def spec(shape, dtype="bfloat16", strides=None, device=0, ptr=0x10000) -> Spec:
-    if strides is None:
-        strides, acc = [], 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= s
-        strides = tuple(reversed(strides))
-    return Spec("", tuple(shape), tuple(strides), dtype, device, ptr)
-
-
-class Case(NamedTuple):
-    arg: str
-    problem: str
-    mode: str  # "spec" or "host"
-    call: Callable[[], object]
-    exc: type
-    words: tuple
-    cc: tuple = GOOD_CC
-
-    @property
-    def id(self):
-        return f"quantize-{self.arg}-{self.problem}"
-
-
 CASES: list[Case] = []
 
 
@@ -352,7 +318,7 @@ _GOOD_X = object()
 
 def bad(arg, problem, exc, words, x=_GOOD_X, cc=GOOD_CC, mode="spec", **kwargs):
     x = spec((B, S, H, D)) if x is _GOOD_X else x
-    CASES.append(Case(arg, problem, mode, lambda: fp8.quantize(x, **kwargs), exc, tuple(words), cc))
+    CASES.append(Case("quantize", arg, problem, mode, lambda: fp8.quantize(x, **kwargs), exc, tuple(words), cc))
 
 
 # x: shape, dtype, head dim, layout, sizes, GPU
@@ -434,15 +400,7 @@ def spec_env(monkeypatch):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, request):
-    if case.mode == "spec":
-        request.getfixturevalue("spec_env")["cc"] = case.cc
-    with pytest.raises((ValueError, TypeError)) as info:
-        case.call()
-    assert isinstance(info.value, case.exc), f"{case.id}: want {case.exc.__name__}, got {info.type.__name__}: {info.value}"
-    msg = str(info.value)
-    for w in case.words:
-        assert w in msg, f"{case.id}: {w!r} is not in the message {msg!r}"
-    assert case.arg in msg, f"{case.id}: the message does not name {case.arg!r}: {msg!r}"
+    check_refused(case, request)
 
 
 def test_table_covers_every_argument():
@@ -529,9 +487,15 @@ def test_what_the_rotation_buys(d):
     def quantize(x, hadamard):
         return ref.fp8_quantize(x, 128, hadamard, 0)
 
+    check_what_the_rotation_buys(quantize, rng, d, "reference")
+
+
+def check_what_the_rotation_buys(quantize, rng, d, label):
+    """The tensor's own e4m3 error below 3 % and within 10 % with and without the rotation; the q k^T error
+    at least halved by it with outlier channels, not worse with sparse outliers. Prints the four numbers."""
     for kind in ("sparse", "channels"):
         (x0, x1), (s0, s1) = quantisation_errors(quantize, rng, d, kind)
-        print(f"d={d} {kind}: x rel. RMSE {x0:.4f} plain, {x1:.4f} rotated; "
+        print(f"{label} d={d} {kind}: x rel. RMSE {x0:.4f} plain, {x1:.4f} rotated; "
               f"q k^T rel. RMSE {s0:.4f} plain, {s1:.4f} rotated")
         assert x0 < 0.03 and x1 < 0.03
         assert 0.9 < x1 / x0 < 1.1

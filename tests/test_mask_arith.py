@@ -23,15 +23,14 @@ Properties, for every instantiated (BM, BN):
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 from cuflash import _validate
 from cuflash import reference as ref
+from host_harness import build
 
 if shutil.which("g++") is None:
     pytest.skip("g++ is not installed: cannot build the host harness for mask.cuh", allow_module_level=True)
@@ -39,9 +38,7 @@ if shutil.which("g++") is None:
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(REPO, "tests", "cpp", "mask_harness.cpp")
-MASK_DIR = os.path.join(REPO, "kernels_cu", "common")
+HARNESS = "tests/cpp/mask_harness.cpp"
 
 # (BM, BN) instantiated in the harness: small and square ones plus the tiles the kernels use today
 # (fa1 forward 64x64 / 64x32, fa1 backward 64x64 / 32x32, fa2 forward 128x64 / 128x32 / 64x32,
@@ -60,8 +57,7 @@ _int = ctypes.c_int
 class MaskLib:
     """ctypes front of the compiled mask.cuh; numpy in, numpy out."""
 
-    def __init__(self, path: str):
-        lib = ctypes.CDLL(path)
+    def __init__(self, lib: ctypes.CDLL):
         lib.mask_has_tile.argtypes = [_int, _int]
         lib.mask_visible_matrix.argtypes = [_int] * 6 + [_u8p]
         lib.mask_visible_matrix.restype = None
@@ -102,13 +98,7 @@ class MaskLib:
 
 @pytest.fixture(scope="session")
 def masklib(tmp_path_factory) -> MaskLib:
-    out = tmp_path_factory.mktemp("mask_harness") / "libmask_harness.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-fwrapv", "-Wall", "-Wextra", "-shared", "-fPIC", "-I", MASK_DIR,
-           HARNESS, "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        pytest.fail(f"building the mask.cuh host harness failed:\n{' '.join(cmd)}\n{res.stderr}")
-    lib = MaskLib(str(out))
+    lib = MaskLib(build("mask_harness.cpp", "common", tmp_path_factory.mktemp("mask_harness")))
     for tile in TILES:
         assert lib.lib.mask_has_tile(*tile) == 1, tile
     return lib

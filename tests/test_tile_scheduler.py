@@ -15,30 +15,16 @@ Properties:
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-if shutil.which("g++") is None:
-    pytest.skip("g++ is not installed: cannot build the host harness for tile_scheduler.cuh", allow_module_level=True)
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(REPO, "tests", "cpp", "scheduler_harness.cpp")
-COMMON = os.path.join(REPO, "kernels_cu", "common")
+from host_harness import build
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    out = tmp_path_factory.mktemp("scheduler_harness") / "libscheduler_harness.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-fwrapv", "-Wall", "-Wextra", "-shared", "-fPIC", "-I", COMMON, HARNESS,
-           "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode:
-        pytest.fail(f"building the tile_scheduler.cuh host harness failed:\n{' '.join(cmd)}\n{res.stderr}")
-    lib = ctypes.CDLL(str(out))
+    lib = build("scheduler_harness.cpp", "common", tmp_path_factory.mktemp("scheduler_harness"))
     lib.scheduler_walk.argtypes = [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_longlong]
     lib.scheduler_walk.restype = ctypes.c_longlong
     lib.scheduler_section_heads.argtypes = [ctypes.c_longlong]
