@@ -4,10 +4,14 @@
 # causal and not, Sq != Sk both ways with odd lengths, GQA, one row, a window, softcap/ALiBi where the
 # family has them; the family "decode" runs flash_attn_with_kvcache on contiguous and paged caches with
 # ragged lengths, unsplit and split (its combine kernel), with the append + rotary, and flash_attn_combine
-# on its own; small shapes so racecheck finishes quickly).
+# on its own; "cascade" (listed with decode) runs cascade_attention on three of tests/cascade_cases.py's
+# cases (paged with empty suffixes, 3 causal queries, d 256 under a long prefix); "fp8" (sm_89 and newer)
+# runs cuflash.fp8.quantize on every head dim, rotation on and off, block 1 / 64 / 128 / 200 / None over 77
+# and 300 rows (None and 200 over 300: the two launches, amax then convert), a strided x and fp16; small
+# shapes so racecheck finishes quickly).
 #
 #   scripts/sanitize.sh                  every tool x every family this package and GPU have
-#   SANITIZE_TOOLS="memcheck" SANITIZE_FAMILIES="fa1-bwd decode" scripts/sanitize.sh
+#   SANITIZE_TOOLS="memcheck" SANITIZE_FAMILIES="fa1-bwd decode cascade fp8" scripts/sanitize.sh
 #
 # Prints one line per (tool, family) and "sanitize: N runs, M with errors"; logs go to
 # ${OUT:-out}/sanitize-<tool>-<family>.log (and sanitize-warmup.log). Exits non-zero when any run found
@@ -19,8 +23,8 @@
 # uninitialised and then writes in full are fine; the driver turns CuPy's memory pool off so that each
 # array is a fresh cudaMalloc of its exact size (a pool would hide both uninitialised reads and
 # out-of-bounds reads that land in a neighbouring array). Inputs are written in full (the decode caches
-# past each entry's keys too), except the partial rows of a combine split with lse -inf, which the combine
-# must not read.
+# past each entry's keys too, every page of the cascade caches, the heads that fp8's strided x skips),
+# except the partial rows of a combine split with lse -inf, which the combine must not read.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

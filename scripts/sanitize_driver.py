@@ -11,10 +11,17 @@ and softcap + ALiBi where the family has them. The family "decode" (flash_attn_w
 flash_attn_combine) runs contiguous caches and paged ones (page sizes 1, 16, 64, pages shuffled) with
 ragged cache lengths 0, 1 and 133 in one batch, GQA 8 on 2, head dims 64 / 128 / 256, unsplit and
 forced into 3 splits (the combine kernel), 3 causal queries, the in-place append with rotary, a window,
-softcap, fp16, and the combine on its own (see _decode_cases). CuPy's memory pool is switched off, so
-every array is its own cudaMalloc of exactly its size: memcheck then sees a read past the end of an
-input, and initcheck sees a read of memory nobody wrote (a pool would hand out memory written before).
-Without --check nothing but the family's kernels (and CuPy's input casts) runs on the GPU.
+softcap, fp16, and the combine on its own (see _decode_cases). The family "cascade" runs
+cascade_attention on three of tests/cascade_cases.py's cases (decoding over a paged cache with empty and
+one-key suffixes, 3 causal queries on a contiguous one, head dim 256 under a 1000-key prefix; see
+_cascade_cases). The family "fp8" runs fp8.quantize on every head dim with the rotation on and off,
+block 1, 64, 128 and None over 77 and 300 rows (None over 300: the two-launch amax + convert path), block
+200 (that path with an empty tile), a strided x and fp16 (see _fp8_cases). CuPy's memory pool is
+switched off, so every array is its own cudaMalloc of exactly its size: memcheck then sees a read past
+the end of an input, and initcheck sees a read of memory nobody wrote (a pool would hand out memory
+written before). Without --check nothing but the family's own work runs on the GPU: its kernels, CuPy's
+input casts, and what the function itself runs through CuPy (cascade_attention's stack and casts of the
+partial results, fp8.quantize's zeroed amax scratch).
 """
 from __future__ import annotations
 
@@ -22,8 +29,11 @@ import argparse
 import importlib
 import inspect
 import sys
+from pathlib import Path
 
 import numpy as np
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # tests/cascade_cases.py: the cascade family's inputs
 
 
 def _families():
@@ -37,7 +47,9 @@ def _families():
         if fam.BWD_FEATURES is not None:
             out.append(f"{name}-bwd")
     if _decode_available():
-        out.append("decode")
+        out += ["decode", "cascade"]  # cascade_attention is two flash_attn_with_kvcache calls and a combine
+    if _fp8_available():
+        out.append("fp8")
     return out
 
 
@@ -47,6 +59,14 @@ def _decode_available():
     from cuflash._device import compute_capability, has_gpu
 
     return has_gpu() and api._supports_arch(decode, compute_capability()) is None
+
+
+def _fp8_available():
+    """What fp8.quantize itself asks of the GPU: fp8.MIN_CC or newer (sm_89, the e4m3 conversion)."""
+    from cuflash import fp8
+    from cuflash._device import compute_capability, has_gpu
+
+    return has_gpu() and compute_capability() >= fp8.MIN_CC
 
 
 def _cases(name, direction):
@@ -111,8 +131,8 @@ class _NoReference(Exception):
 
 
 def run_family(family, check, rng):
-    if family == "decode":
-        return run_decode(check, rng)
+    if family in OWN_CASES:
+        return _run_cases(family, *OWN_CASES[family], check, rng)
     import cupy
 
     import cuflash
@@ -331,15 +351,215 @@ def _run_combine(c, rng, check):
     return "ok"
 
 
-def run_decode(check, rng):
+def _run_decode_case(c, rng, check):
+    return (_run_combine if c["fn"] == "combine" else _run_kvcache)(c, rng, check)
+
+
+# ----------------------------------------------------------------------------------------------------
+# cascade: cascade_attention (flash_attn_with_kvcache over the prefix and over the suffixes, the combine)
+# ----------------------------------------------------------------------------------------------------
+
+CASCADE_KEYS = ("b", "sq", "h", "hkv", "d", "prefix_len", "lens", "paged", "causal")  # a CASES tuple's fields
+CASCADE_ARGS = ("q", "prefix_k", "prefix_v", "k_cache", "v_cache", "cache_seqlens", "page_table")  # the call's
+
+
+def _cascade_module():
+    """tests/cascade_cases.py, the cases and input builder the cascade tests use: imported from tests/ (put
+    on sys.path, as pytest does for the tests) rather than copied, so the driver runs what they check."""
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    import cascade_cases
+
+    return cascade_cases
+
+
+def _cascade_cases():
+    """Three of tests/cascade_cases.py's CASES: decoding over a paged cache (page size 16) with suffixes of
+    0, 1, 77 and 200 keys (an empty suffix: lse -inf into the merge); 3 causal queries on contiguous caches
+    (MHA, d = 64); d = 256 paged under a 1000-key prefix (the prefix pass over many tiles)."""
+    cases = _cascade_module().CASES
+    return [dict(zip(CASCADE_KEYS, cases[i])) for i in (1, 2, 4)]
+
+
+def _describe_cascade(c):
+    return (f"d={c['d']} bfloat16 sq={c['sq']} b={c['b']} h={c['h']}/{c['hkv']} prefix={c['prefix_len']} "
+            f"lens={c['lens']} {'paged 16' if c['paged'] else 'contiguous'} causal={c['causal']}")
+
+
+def _cascade_inputs(c, rng):
+    """tests/cascade_cases.py's inputs of the case (bf16 host arrays, int32 lengths and page table, and the
+    concatenated caches the reference reads). Every element is random, every page in the table."""
+    return _cascade_module().cascade_inputs(rng, **{k: c[k] for k in CASCADE_KEYS if k != "causal"})
+
+
+def _cascade_call(c, args):
+    import cuflash
+
+    return cuflash.cascade_attention(*(args[n] for n in CASCADE_ARGS[:5]), cache_seqlens=args["cache_seqlens"],
+                                     page_table=args["page_table"], causal=c["causal"], return_softmax_lse=True)
+
+
+def _check_cascade(c, host, out, lse):
+    """out and lse against the fp32 reference over the concatenated caches (the prefix, then each request's
+    suffix) by FlashAttention's rule, as tests/test_cascade_gpu.py does (the reference on the host here).
+    Raises AssertionError."""
+    from cuflash import reference as ref
+
+    concat = (host["q"], host["concat_k"], host["concat_v"])
+    opts = dict(cache_seqlens=host["concat_seqlens"], causal=c["causal"])
+    o_ref, lse_ref, _, _ = ref.kvcache_attention_ref(*concat, **opts)
+    o_low = ref.kvcache_attention_ref(*concat, **opts, lowp=True)[0]
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+
+
+def _to_device(a):
+    """A host array on the GPU: int32 as it is, bf16 through float32 (exact); None stays None."""
+    import cupy
+
+    if a is None:
+        return None
+    if a.dtype == np.int32:
+        return cupy.asarray(a)
+    return cupy.asarray(a.astype(np.float32)).astype(str(a.dtype))
+
+
+def _run_cascade(c, rng, check):
+    import cupy
+
+    host = _cascade_inputs(c, rng)
+    out, lse = _cascade_call(c, {n: _to_device(host[n]) for n in CASCADE_ARGS})  # not the concatenation
+    cupy.cuda.Device().synchronize()
+    if not check:
+        return "ran"
+    _check_cascade(c, host, out, lse)
+    return "ok"
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp8: fp8.quantize
+# ----------------------------------------------------------------------------------------------------
+
+FP8_SEED = 0x0123456789ABCDEF  # both 32-bit halves go into the sign key
+FP8_MAX_OFF_BY_ONE = 2e-3  # tests/test_fp8_gpu.py's bound on elements one e4m3 step from the float64 math
+
+
+def _fp8_cases():
+    """The fp8 family's cases, batch 2 and 3 heads (x (b, s, h, d)). Per head dim and rotation on / off
+    (the six bf16 variants): block 1 over 300 rows (three tiles of one-row groups), 64 over 77 (two groups
+    in one tile, the second of 13 rows), 128 over 300 (three tiles, the last of 44 rows) and None over 300
+    (one 300-row group over three tiles: the two launches, amax merged by atomicMax, then the conversion).
+    Then None over 77 (the whole sequence one fused group), block 200 over 300 (the two launches with two
+    groups; the second group's second tile starts past the end and is empty), a strided x, and fp16."""
+    from cuflash import fp8
+
+    base = dict(b=2, h=3, dtype="bfloat16", seed=FP8_SEED)
+    cases = [dict(base, d=d, s=s, block=block, hadamard=hadamard) for d in fp8.HEADDIMS for hadamard in (True, False)
+             for block, s in ((1, 300), (64, 77), (128, 300), (None, 300))]
+    return cases + [
+        dict(base, d=128, s=77, block=None, hadamard=True),
+        dict(base, d=128, s=300, block=200, hadamard=False),
+        dict(base, d=128, s=77, block=64, hadamard=True, strided=True),
+        dict(base, d=64, s=300, block=None, hadamard=True, dtype="float16"),
+    ]
+
+
+def _describe_fp8(c):
+    s = f"d={c['d']} {c['dtype']} x={c['b']}x{c['s']}x{c['h']} block={c['block']} hadamard={c['hadamard']}"
+    return s + " strided" if c.get("strided") else s
+
+
+def _fp8_input(c, rng):
+    """Host float32 values of the case's dtype (so the cast on upload is exact): x itself, or for a strided
+    case the (b, s, 2h, d) array that x is a view of (_fp8_view). Every element is random, the heads the
+    view skips too, so what initcheck reports are the kernel's own reads of unwritten memory."""
+    from cuflash import reference as ref
+
+    heads = 2 * c["h"] if c.get("strided") else c["h"]
+    x = rng.standard_normal((c["b"], c["s"], heads, c["d"]), dtype=np.float32)
+    return x.astype(ref._as_dtype(c["dtype"])).astype(np.float32)
+
+
+def _fp8_view(c, x):
+    """x as the kernel gets it (NumPy or CuPy). Strided: every other head from head 1 (head stride 2d, a
+    start 2d elements in), so x's last element is the allocation's last and a read past it is out of bounds."""
+    return x[:, :, 1::2] if c.get("strided") else x
+
+
+def _fp8_call(c, x):
+    from cuflash import fp8
+
+    return fp8.quantize(x, block=c["block"], hadamard=c["hadamard"], seed=c["seed"])
+
+
+def _same(name, got, want):
+    """got equal to want bit for bit (NaN != NaN: an element left unwritten as NaN shows)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise AssertionError(f"{name}: {got.dtype} {got.shape}, the fp32 model {want.dtype} {want.shape}")
+    bad = np.argwhere(got != want)
+    if bad.size:
+        idx = tuple(int(i) for i in bad[0])
+        raise AssertionError(f"{name}: {len(bad)} of {got.size} differ from the fp32 model, first at {idx}: "
+                             f"{got[idx]!r}, model {want[idx]!r}")
+
+
+def _check_fp8(c, x, data, descale):
+    """Host data / descale of x (host, the values the kernel read) against reference.fp8_quantize, as
+    tests/test_fp8_gpu.py compares them: bit for bit with its float32 mode (the kernel's own arithmetic);
+    with the float64 math, descale within 1e-6 relative and data at most one e4m3 step off in at most
+    FP8_MAX_OFF_BY_ONE of the elements (fp32 and fp64 may round an element at an e4m3 rounding boundary to
+    either neighbour). Raises AssertionError."""
+    from cuflash import reference as ref
+
+    args = (x, c["block"], c["hadamard"], c["seed"])
+    data32, descale32 = ref.fp8_quantize(*args, compute_dtype="float32")
+    _same("descale", descale, descale32)
+    _same("data", data, data32)
+    data64, descale64 = ref.fp8_quantize(*args)
+    rel = float(np.abs(descale.astype(np.float64) / descale64 - 1).max())
+    if not rel <= 1e-6:
+        raise AssertionError(f"descale: {rel:.2e} relative from the float64 math (allowed 1e-6)")
+    dist = ref.e4m3_ulp_distance(data, data64)
+    if dist.max() > 1 or (dist > 0).mean() > FP8_MAX_OFF_BY_ONE:
+        raise AssertionError(f"data: {int((dist > 0).sum())} of {data.size} elements up to {int(dist.max())} e4m3 "
+                             f"steps from the float64 math (allowed: one step, {FP8_MAX_OFF_BY_ONE:.0e} of them)")
+
+
+def _run_fp8(c, rng, check):
+    import cupy
+
+    host = _fp8_input(c, rng)
+    data, descale = _fp8_call(c, _fp8_view(c, cupy.asarray(host).astype(c["dtype"])))
+    cupy.cuda.Device().synchronize()
+    if not check:
+        return "ran"
+    _check_fp8(c, _fp8_view(c, host), data.get(), descale.get())
+    return "ok"
+
+
+# ----------------------------------------------------------------------------------------------------
+# the families with cases of their own
+# ----------------------------------------------------------------------------------------------------
+
+# family: (its cases, run one case (case, rng, check) -> status, describe a case)
+OWN_CASES = {
+    "decode": (_decode_cases, _run_decode_case, _describe_decode),
+    "cascade": (_cascade_cases, _run_cascade, _describe_cascade),
+    "fp8": (_fp8_cases, _run_fp8, _describe_fp8),
+}
+
+
+def _run_cases(family, cases, run, describe, check, rng):
+    """Runs every case and prints one line each; a mismatch (only --check compares) is counted and the
+    next case still runs. Returns the number of mismatches."""
     failures = 0
-    for c in _decode_cases():
+    for c in cases():
         try:
-            status = (_run_combine if c["fn"] == "combine" else _run_kvcache)(c, rng, check)
+            status = run(c, rng, check)
         except AssertionError as exc:
             status = f"MISMATCH {exc}"
             failures += 1
-        print(f"decode {_describe_decode(c)}: {status}", flush=True)
+        print(f"{family} {describe(c)}: {status}", flush=True)
     return failures
 
 

@@ -1,8 +1,8 @@
 """scripts/sanitize.sh reads compute-sanitizer's summaries right (CPU tier: a stand-in sanitizer prints
 canned logs, so the classification is tested without a GPU), and the CPU side of scripts/sanitize_driver.py's
-decode family: when it is listed, that its cases cover what they are meant to, are calls the public API
-accepts (run on Spec records up to the kernel launch), and that their reference check passes the
-reference and fails a wrong answer."""
+decode, cascade and fp8 families: when they are listed, that their cases cover what they are meant to, are
+calls the public API accepts (run on Spec records up to the kernel launch), and that their reference
+checks pass the reference and fail a wrong answer (NumPy standing in for the kernels where needed)."""
 import importlib.util
 import os
 import stat
@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _device, api, decode
+from cuflash import _device, api, cascade, decode, fp8
 from cuflash import reference as ref
 from cuflash.heuristics import DECODE_TILES
+from cascade_cases import CASES as CASCADE_CASES
 from test_bad_input_table import _ReachedKernel, _SpecCall  # the same stand-ins as the decode bad-input table
+from test_cascade_cpu import _combine_ref, _kvcache_ref  # the cascade glue's NumPy kernels
 from test_decode_cpu import spec, vals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,16 +97,27 @@ KV_CASES = [c for c in DRIVER._decode_cases() if c["fn"] == "kvcache"]
 COMBINE_CASES = [c for c in DRIVER._decode_cases() if c["fn"] == "combine"]
 
 
-@pytest.mark.parametrize("impls, decode_ok, listed", [
-    ([], True, "decode"),
-    ([], False, ""),
-    (["fa2"], True, "fa2-fwd fa2-bwd decode"),
+@pytest.mark.parametrize("impls, decode_ok, fp8_ok, listed", [
+    ([], True, False, "decode cascade"),
+    ([], False, False, ""),
+    ([], False, True, "fp8"),
+    (["fa2"], True, True, "fa2-fwd fa2-bwd decode cascade fp8"),
 ])
-def test_list_has_decode_when_the_gpu_runs_it(monkeypatch, capsys, impls, decode_ok, listed):
+def test_list_has_decode_cascade_and_fp8_when_the_gpu_runs_them(monkeypatch, capsys, impls, decode_ok, fp8_ok,
+                                                                 listed):
+    """cascade_attention runs on the decode kernels, so it is listed exactly when decode is."""
     monkeypatch.setattr(cuflash, "available_impls", lambda: impls)
     monkeypatch.setattr(DRIVER, "_decode_available", lambda: decode_ok)
+    monkeypatch.setattr(DRIVER, "_fp8_available", lambda: fp8_ok)
     assert DRIVER.main(["--list"]) == 0
     assert capsys.readouterr().out.strip() == listed
+
+
+def test_every_family_with_cases_of_its_own_has_a_runner(monkeypatch):
+    monkeypatch.setattr(cuflash, "available_impls", lambda: [])
+    monkeypatch.setattr(DRIVER, "_decode_available", lambda: True)
+    monkeypatch.setattr(DRIVER, "_fp8_available", lambda: True)
+    assert set(DRIVER._families()) == set(DRIVER.OWN_CASES)
 
 
 @pytest.mark.parametrize("gpu, cc, ok", [(False, (9, 0), False), (True, (7, 5), False), (True, decode.MIN_CC, True),
@@ -113,6 +126,24 @@ def test_decode_available_asks_what_the_api_asks(monkeypatch, gpu, cc, ok):
     monkeypatch.setattr(_device, "has_gpu", lambda: gpu)
     monkeypatch.setattr(_device, "compute_capability", lambda device=0: cc)
     assert DRIVER._decode_available() is ok
+
+
+@pytest.mark.parametrize("gpu, cc, ok", [(False, (9, 0), False), (True, (8, 6), False), (True, fp8.MIN_CC, True),
+                                         (True, (9, 0), True), (True, (12, 0), True)])
+def test_fp8_available_asks_what_quantize_asks(monkeypatch, gpu, cc, ok):
+    monkeypatch.setattr(_device, "has_gpu", lambda: gpu)
+    monkeypatch.setattr(_device, "compute_capability", lambda device=0: cc)
+    assert DRIVER._fp8_available() is ok
+
+
+def test_run_cases_counts_mismatches_and_runs_on(capsys):
+    def run(c, rng, check):
+        if c == 2:
+            raise AssertionError("out: too far")
+        return "ok"
+
+    assert DRIVER._run_cases("fam", lambda: [1, 2, 3], run, str, True, None) == 1
+    assert capsys.readouterr().out.splitlines() == ["fam 1: ok", "fam 2: MISMATCH out: too far", "fam 3: ok"]
 
 
 def test_decode_cases_cover_the_family():
@@ -230,3 +261,189 @@ def test_combine_check_passes_the_reference_and_fails_a_dropped_split(c):
     o_wrong, lse_wrong = ref.combine_ref(dropped["out_partial"], dropped["lse_partial"])
     with pytest.raises(AssertionError):
         DRIVER._check_combine(partials, o_wrong.astype(np.float32), lse_wrong.astype(np.float32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# scripts/sanitize_driver.py: the cascade family
+# ----------------------------------------------------------------------------------------------------
+
+CASCADE = DRIVER._cascade_cases()
+
+
+def test_cascade_cases_are_the_tests_cases_and_cover_the_family():
+    """Taken from tests/cascade_cases.py unchanged; one paged, one causal with 3 queries, decoding with an
+    empty suffix; head dims the decode kernels have; the causal precondition (every suffix >= sq - 1)."""
+    assert 2 <= len(CASCADE) <= 3
+    assert all(tuple(c[k] for k in DRIVER.CASCADE_KEYS) in CASCADE_CASES for c in CASCADE)
+    assert any(c["paged"] for c in CASCADE) and any(not c["paged"] for c in CASCADE)
+    assert any(c["causal"] and c["sq"] == 3 for c in CASCADE)
+    assert any(c["sq"] == 1 and 0 in c["lens"] for c in CASCADE)
+    assert all(c["d"] in decode.HEADDIMS and c["h"] % c["hkv"] == 0 and len(c["lens"]) == c["b"] for c in CASCADE)
+    assert all(min(c["lens"]) >= c["sq"] - 1 for c in CASCADE if c["causal"])
+
+
+@pytest.mark.parametrize("c", CASCADE, ids=DRIVER._describe_cascade)
+def test_cascade_case_inputs_are_well_formed(c):
+    """Shapes consistent with the case; every float element finite (written); a paged case's table names
+    each page once, covering each request's suffix; the concatenation is prefix + suffix per request."""
+    host = DRIVER._cascade_inputs(c, np.random.default_rng(0))
+    b, sq, h, hkv, d, p = (c[k] for k in ("b", "sq", "h", "hkv", "d", "prefix_len"))
+    assert host["q"].shape == (b, sq, h, d)
+    assert host["prefix_k"].shape == host["prefix_v"].shape == (p, hkv, d)
+    assert host["cache_seqlens"].tolist() == list(c["lens"])
+    assert all(np.isfinite(host[n].astype(np.float32)).all() for n in ("q", "prefix_k", "prefix_v", "k_cache", "v_cache"))
+    kc = host["k_cache"]
+    if c["paged"]:
+        table = host["page_table"]
+        assert kc.shape[1:] == (16, hkv, d) and table.shape[0] == b and table.shape[1] * 16 >= max(c["lens"])
+        assert sorted(table.ravel().tolist()) == list(range(kc.shape[0]))
+    else:
+        assert host["page_table"] is None and kc.shape == (b, max(c["lens"]), hkv, d)
+    assert host["concat_seqlens"].tolist() == [n + p for n in c["lens"]]
+    assert np.array_equal(host["concat_k"][:, :p], np.broadcast_to(host["prefix_k"], (b, p, hkv, d)))
+
+
+@pytest.mark.parametrize("c", CASCADE, ids=DRIVER._describe_cascade)
+def test_cascade_case_is_a_call_the_api_accepts(monkeypatch, c):
+    """The driver's call passes cascade_attention's own checks (the prefix, the causal precondition, which
+    reads cache_seqlens) and hands the glue the case's arrays; the glue's kernel calls are the decode
+    family's, which tests/test_cascade_cpu.py runs with NumPy stand-ins."""
+    seen = {}
+
+    def merge(*args, **kwargs):
+        seen["args"] = args
+        raise _ReachedKernel("cascade.merge_prefix_and_suffix")
+
+    monkeypatch.setattr(cascade, "Call", _SpecCall)
+    monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+    host = DRIVER._cascade_inputs(c, np.random.default_rng(0))
+    args = {n: None if host[n] is None else vals(host[n].tolist()) if host[n].dtype == np.int32
+            else spec(host[n].shape, "bfloat16") for n in DRIVER.CASCADE_ARGS}
+    with pytest.raises(_ReachedKernel):
+        DRIVER._cascade_call(c, args)
+    q, pk, pv, kc, vc, lens, table, _, causal, check = seen["args"]
+    assert (q.shape, pk.shape, kc.shape, lens.values) == (host["q"].shape, host["prefix_k"].shape,
+                                                          host["k_cache"].shape, list(c["lens"]))
+    assert (table is not None, causal, check) == (c["paged"], c["causal"], True)
+
+
+def _cascade_glue(c, host, with_prefix=True):
+    """cascade_attention's glue with the fp32 reference as its kernels (out rounded to bf16 as the combine
+    writes it); with_prefix=False drops the prefix's partial result from the merge (a wrong answer)."""
+    def combine(o_part, l_part, *, out_dtype):
+        return _combine_ref(o_part if with_prefix else o_part[1:], l_part if with_prefix else l_part[1:],
+                            out_dtype=out_dtype)
+
+    out, lse = cascade.merge_prefix_and_suffix(
+        host["q"], host["prefix_k"], host["prefix_v"], host["k_cache"], host["v_cache"], host["cache_seqlens"],
+        host["page_table"], None, c["causal"], True, kvcache=_kvcache_ref, combine=combine, xp=np)
+    return out.astype(host["q"].dtype), lse.astype(np.float32)
+
+
+@pytest.mark.parametrize("c", CASCADE, ids=DRIVER._describe_cascade)
+def test_cascade_check_passes_the_reference_and_fails_a_wrong_answer(c):
+    """The driver's check accepts the reference over the concatenation and the glue on NumPy kernels, and
+    refuses the glue without the prefix and a perturbed output."""
+    host = DRIVER._cascade_inputs(c, np.random.default_rng(0))
+    o, lse, _, _ = ref.kvcache_attention_ref(host["q"], host["concat_k"], host["concat_v"],
+                                             cache_seqlens=host["concat_seqlens"], causal=c["causal"])
+    DRIVER._check_cascade(c, host, o.astype(host["q"].dtype), lse)
+    DRIVER._check_cascade(c, host, *_cascade_glue(c, host))
+    with pytest.raises(AssertionError, match="out"):
+        DRIVER._check_cascade(c, host, *_cascade_glue(c, host, with_prefix=False))
+    with pytest.raises(AssertionError, match="out"):
+        DRIVER._check_cascade(c, host, (o * 1.1 + 0.05).astype(host["q"].dtype), lse)
+
+
+# ----------------------------------------------------------------------------------------------------
+# scripts/sanitize_driver.py: the fp8 family
+# ----------------------------------------------------------------------------------------------------
+
+FP8 = DRIVER._fp8_cases()
+
+
+def test_fp8_cases_cover_the_family():
+    """Every head dim with the rotation on and off in bf16 (the six bf16 variants), each with a fused and
+    a two-launch case; blocks 1, 64, 128, None and one over 128 (the two launches with an empty tile);
+    groups that do not divide the sequence; seqlens 77 and 300; batch 2 x 3 heads; one strided x and one
+    fp16 case."""
+    for d in fp8.HEADDIMS:
+        for hadamard in (True, False):
+            plans = [fp8.tile_plan(c["s"], c["block"]) for c in FP8
+                     if (c["d"], c["hadamard"], c["dtype"]) == (d, hadamard, "bfloat16")]
+            assert {p.split for p in plans} == {False, True}, (d, hadamard)
+    assert {c["block"] for c in FP8} >= {1, 64, 128, None} and any((c["block"] or 0) > fp8.TILE_ROWS for c in FP8)
+    assert {c["s"] for c in FP8} == {77, 300} and {(c["b"], c["h"]) for c in FP8} == {(2, 3)}
+    assert {c["hadamard"] for c in FP8} == {True, False}
+    assert [c["dtype"] for c in FP8].count("float16") == 1 and sum(bool(c.get("strided")) for c in FP8) == 1
+    assert any(c["s"] % fp8.tile_plan(c["s"], c["block"]).block for c in FP8)  # a short last group
+
+    def empty_tile(c):
+        plan = fp8.tile_plan(c["s"], c["block"])
+        return any(begin >= end for _, _, begin, end in (fp8.tile_rows(plan, c["s"], t) for t in range(plan.tiles)))
+
+    assert any(empty_tile(c) for c in FP8)
+
+
+@pytest.mark.parametrize("c", FP8, ids=DRIVER._describe_fp8)
+def test_fp8_case_inputs_are_well_formed(c):
+    """A head dim and block quantize takes; x (b, s, h, d) of finite values exactly in the case's dtype;
+    a strided x: not contiguous, strides in multiples of 8 elements, its last element the allocation's."""
+    assert c["d"] in fp8.HEADDIMS and c["dtype"] in ("bfloat16", "float16")
+    assert fp8._check_block(c["block"]) == c["block"] and isinstance(c["hadamard"], bool)
+    assert fp8._check_seed(c["seed"]) == c["seed"]
+    host = DRIVER._fp8_input(c, np.random.default_rng(0))
+    x = DRIVER._fp8_view(c, host)
+    assert x.shape == (c["b"], c["s"], c["h"], c["d"]) and np.isfinite(host).all()
+    assert np.array_equal(host.astype(ref._as_dtype(c["dtype"])).astype(np.float32), host)
+    if not c.get("strided"):
+        assert x is host
+        return
+    elems = [st // x.itemsize for st in x.strides]
+    assert not x.flags.c_contiguous and elems[-1] == 1 and all(e % 8 == 0 for e in elems[:-1])
+    start = (x.__array_interface__["data"][0] - host.__array_interface__["data"][0]) // x.itemsize
+    assert start % 8 == 0 and start + sum((n - 1) * e for n, e in zip(x.shape, elems)) == host.size - 1
+
+
+@pytest.mark.parametrize("c", FP8, ids=DRIVER._describe_fp8)
+def test_fp8_cases_are_calls_the_api_accepts(monkeypatch, c):
+    """The driver's call (with x's strides) passes every check of fp8.quantize on a GPU of the family's
+    oldest arch and launches with the case's plan, rotation and seed."""
+    launches = []
+
+    def launch(*args):
+        launches.append(args)
+        raise _ReachedKernel("fp8.launch_quantize")
+
+    monkeypatch.setattr(fp8, "Call", _SpecCall)
+    monkeypatch.setattr(fp8, "launch_quantize", launch)
+    monkeypatch.setattr(_device, "compute_capability", lambda device=0: fp8.MIN_CC)
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+    x = DRIVER._fp8_view(c, DRIVER._fp8_input(c, np.random.default_rng(0)))
+    with pytest.raises(_ReachedKernel):
+        DRIVER._fp8_call(c, spec(x.shape, c["dtype"], strides=tuple(st // x.itemsize for st in x.strides)))
+    (xa, _, _, amax, plan, hadamard, seed, _), = launches
+    assert xa.shape == x.shape and plan == fp8.tile_plan(c["s"], c["block"]) and (amax is not None) == plan.split
+    assert (hadamard, seed) == (c["hadamard"], c["seed"])
+
+
+@pytest.mark.parametrize("c", FP8, ids=DRIVER._describe_fp8)
+def test_fp8_check_passes_the_reference_and_fails_a_wrong_answer(c):
+    """The driver's check accepts the reference's float32 answer (the kernel's arithmetic) and refuses one
+    byte one e4m3 step off, one descale one float32 step off, and the answer of the other rotation."""
+    x = DRIVER._fp8_view(c, DRIVER._fp8_input(c, np.random.default_rng(0)))
+    data, descale = ref.fp8_quantize(x, c["block"], c["hadamard"], c["seed"], compute_dtype="float32")
+    DRIVER._check_fp8(c, x, data, descale)
+    off = data.copy()
+    i = int(np.argmax((off & 0x7F) < 0x7E))  # a finite byte below the largest: one step up stays finite
+    off.flat[i] += 1
+    with pytest.raises(AssertionError, match="data"):
+        DRIVER._check_fp8(c, x, off, descale)
+    nudged = descale.copy()
+    nudged.flat[-1] = np.nextafter(nudged.flat[-1], np.float32(np.inf))
+    with pytest.raises(AssertionError, match="descale"):
+        DRIVER._check_fp8(c, x, data, nudged)
+    other = ref.fp8_quantize(x, c["block"], not c["hadamard"], c["seed"], compute_dtype="float32")
+    with pytest.raises(AssertionError):
+        DRIVER._check_fp8(c, x, *other)
