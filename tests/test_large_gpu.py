@@ -4,8 +4,9 @@ K and V are (1, 2^22 + 37, 8, 64) bf16: 2^31 + 18,944 elements each (4.3 GB), so
 BOUNDARY_ROW = 2^31 / (8 * 64) = 4,194,304 on starts past element 2^31 and any 32-bit product of a row
 index and a row stride wraps there. A few query rows (seqlen_q = 3) keep the FLOPs small. The same K/V
 buffer serves a packed variable-length batch (``flash_attn_varlen_func``) whose last sequence runs
-across that boundary. Forward (out, LSE) and backward (dq, dk, dv) are checked, for impl="fa2" and
-impl="fa1" (fa1 has no varlen).
+across that boundary. Forward (out, LSE) and backward (dq, dk, dv) are checked, for impl="fa3" (Hopper),
+"fa2" and "fa1" (fa1 has no varlen), and the decode kernel reads the same K/V as a KV cache (contiguous,
+and paged with one row per page, so page numbers times the page stride pass 2^31 elements).
 
 What makes a wrong offset visible: scores of random data over 4 million keys are flat, so a kernel
 that read the wrong rows would still give a plausible-looking average. Each (query row, head) therefore
@@ -275,10 +276,12 @@ def _check_forward(name, out, lse, want):
 # ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("impl", ["fa2", "fa1"])
+@pytest.mark.parametrize("impl", ["fa3", "fa2", "fa1"])
 def test_kv_past_2_31_elements(poison_allocations, big_kv, impl, causal):
     import cupy
 
+    if impl not in cuflash.available_impls("backward"):
+        pytest.skip(f"{impl} does not run on this GPU")
     k, v = big_kv
     rng_seed = _seed()
     rng, nprng = cupy.random.default_rng(rng_seed), np.random.default_rng(rng_seed)
@@ -297,6 +300,31 @@ def test_kv_past_2_31_elements(poison_allocations, big_kv, impl, causal):
     ref.check_close(f"{impl} dq", dq[0], want["dq"], want["dq_low"])
     for tally in want["tallies"].values():
         tally.check()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_past_2_31_elements(poison_allocations, big_kv, paged, causal):
+    """flash_attn_with_kvcache over the same K/V (seqlen_q = 3 queries after the whole cache): the same
+    attention as flash_attn_func with bottom-right causal, so the same chunked reference."""
+    import cupy
+
+    k, v = big_kv
+    rng_seed = _seed()
+    rng, nprng = cupy.random.default_rng(rng_seed), np.random.default_rng(rng_seed)
+    q = _randn(rng, (1, SEQLEN_Q, HEADS, D))
+    special = [SEQLEN_K - 1, BOUNDARY_ROW, BOUNDARY_ROW - 1, BOUNDARY_ROW + 5, 0]
+    _plant_needles(q[0], k[0], _needle_rows(nprng, SEQLEN_Q, 0, SEQLEN_K, special))
+    if paged:  # page j (one key row) is physical page j: the caches as (SEQLEN_K, 1, Hkv, D) views
+        kc, vc = k.reshape(SEQLEN_K, 1, KV_HEADS, D), v.reshape(SEQLEN_K, 1, KV_HEADS, D)
+        table = cupy.arange(SEQLEN_K, dtype=cupy.int32).reshape(1, SEQLEN_K)
+    else:
+        kc, vc, table = k, v, None
+    out, lse = cuflash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=SEQLEN_K, page_table=table, causal=causal,
+                                               return_softmax_lse=True)
+    cupy.cuda.get_current_stream().synchronize()
+    want = _chunked_reference(q[0], k[0], v[0], None, causal)
+    _check_forward(f"kvcache {'paged' if paged else 'contiguous'}", out[0], lse[0], want)
 
 
 @pytest.mark.parametrize("causal", [False, True])
