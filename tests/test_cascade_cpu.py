@@ -9,7 +9,7 @@ import pytest
 from cuflash import cascade
 from cuflash import reference as ref
 from cascade_cases import CASES, cascade_inputs
-from test_bad_input_table import spec
+from test_bad_input_table import Case, _SpecCall, check_refused, spec, spec_env  # noqa: F401 (fixture)
 
 
 def _kvcache_ref(q, k_cache, v_cache, *, cache_seqlens, page_table=None, softmax_scale=None, causal=False,
@@ -83,3 +83,43 @@ def test_prefix_checks_pass_good_input():
 
     cascade.check_prefix(dataclasses.replace(Q, name="q"), dataclasses.replace(spec((100, 2, 128)), name="prefix_k"),
                          dataclasses.replace(spec((100, 2, 128)), name="prefix_v"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad input through the public function (Specs in place of arrays, as tests/test_bad_input_table.py)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _cascade_on_specs(monkeypatch):
+    monkeypatch.setattr(cascade, "Call", _SpecCall)
+
+
+def _cascade_call(q=(2, 1, 8, 128), pk=(100, 2, 128), pv=(100, 2, 128), pdtype="bfloat16", **kw):
+    args = dict(cache_seqlens=spec((2,), "int32"))
+    args.update(kw)
+    return lambda: cascade.cascade_attention(spec(q), spec(pk, pdtype), spec(pv, pdtype), spec((2, 64, 2, 128)),
+                                             spec((2, 64, 2, 128)), **args)
+
+
+BAD = [
+    Case("cascade_attention", "q", "rank_3", "spec", _cascade_call(q=(2, 8, 128)), ValueError, ("4 dimensions",)),
+    Case("cascade_attention", "prefix_k", "rank_4", "spec", _cascade_call(pk=(1, 100, 2, 128)), ValueError,
+         ("3 dimensions",)),
+    Case("cascade_attention", "prefix_k", "dtype", "spec", _cascade_call(pdtype="float16"), TypeError, ("q's dtype",)),
+    Case("cascade_attention", "prefix_v", "shape", "spec", _cascade_call(pv=(99, 2, 128)), ValueError,
+         ("same shape",)),
+    Case("cascade_attention", "prefix_k", "empty", "spec", _cascade_call(pk=(0, 2, 128), pv=(0, 2, 128)), ValueError,
+         ("at least one key",)),
+    Case("cascade_attention", "prefix_k", "headdim", "spec", _cascade_call(pk=(100, 2, 64), pv=(100, 2, 64)),
+         ValueError, ("head dim",)),
+    Case("cascade_attention", "prefix_k", "kv_heads", "spec", _cascade_call(pk=(100, 3, 128), pv=(100, 3, 128)),
+         ValueError, ("divide",)),
+    Case("cascade_attention", "check", "not_bool", "spec", _cascade_call(check=1), TypeError, ("bool",)),
+    Case("cascade_attention", "cache_seqlens", "causal_short_suffix", "spec",
+         _cascade_call(q=(2, 4, 8, 128), cache_seqlens=2, causal=True), ValueError, ("seqlen_q - 1",)),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
+def test_bad_input(case, request):
+    check_refused(case, request)
