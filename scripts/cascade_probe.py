@@ -1,15 +1,17 @@
 """Cascade attention against one pass over the concatenated keys, at issue 6's shape: a 32k-token prefix
 shared by 64 requests with 512 suffix tokens each, one query per request, 32 query / 8 KV heads, d = 128,
-bf16. Prints both times (CUDA events, median of --reps calls after warm-up) and the ratio.
+bf16. GPU time per call from CUDA-graph replays (scripts/decode_probe.replay_us), host time per eager call
+apart, and the ratio.
 
     python scripts/cascade_probe.py [--prefix 32768] [--batch 64] [--suffix 512] [--reps 20]
 """
 import argparse
+import time
 
 import cupy
 
 import cuflash
-from cuflash.bench import time_fn
+from decode_probe import replay_us
 
 HEADS, KV_HEADS, D = 32, 8, 128
 
@@ -42,11 +44,18 @@ def main():
         return cuflash.flash_attn_with_kvcache(q, concat_k, concat_v, cache_seqlens=concat_lens, check=False)
 
     err = float(abs(cascade().astype("float32") - plain().astype("float32")).max())
-    t_cascade = time_fn(cascade, 3, args.reps)
-    t_plain = time_fn(plain, 3, args.reps)
-    read_plain = 2 * concat_k.nbytes
-    print(f"prefix {p}, batch {b}, suffix {s}: cascade {t_cascade * 1e3:8.1f} us, concatenation {t_plain * 1e3:8.1f} us "
-          f"({read_plain / t_plain / 1e9:.2f} TB/s), speedup {t_plain / t_cascade:.1f}x, max |diff| {err:.2e}")
+    t_cascade, t_plain = replay_us(cascade, args.reps), replay_us(plain, args.reps)
+    host = {}
+    for name, fn in (("cascade", cascade), ("plain", plain)):  # eager calls, not synchronised: the host path
+        cupy.cuda.get_current_stream().synchronize()
+        start = time.perf_counter()
+        for _ in range(args.reps):
+            fn()
+        host[name] = (time.perf_counter() - start) / args.reps * 1e6
+        cupy.cuda.get_current_stream().synchronize()
+    print(f"prefix {p}, batch {b}, suffix {s}: GPU cascade {t_cascade:8.1f} us, concatenation {t_plain:8.1f} us "
+          f"({2 * concat_k.nbytes / t_plain / 1e6:.2f} TB/s), speedup {t_plain / t_cascade:.1f}x; host per call "
+          f"{host['cascade']:.0f} / {host['plain']:.0f} us; max |diff| {err:.2e}")
 
 
 if __name__ == "__main__":
