@@ -161,3 +161,21 @@ __device__ __forceinline__ void acc_to_a_frags(const float (&acc)[N / 2], u32 (&
 
 // The wgmma instructions themselves (m64nNk16 for N = 64, 128, 256; A from shared memory or registers;
 // B K-major or MN-major) are generated: common/wgmma_ops.cuh.
+
+// acc (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major in shared memory as 64-column atoms of
+// 128-byte rows (4 k-steps of 32 bytes per atom): A's 64 rows at `a`, its atoms `a_atom_bytes` apart; B's
+// N rows at `b`, its atoms `b_atom_bytes` apart. Asynchronous: one commit group (FA3's S = Q K^T forward,
+// S^T = K Q^T and dP^T = V dO^T backward).
+template <int N, int KSTEPS>
+__device__ __forceinline__ void wgmma_abt_kmajor(float (&acc)[N / 2], const unsigned char* a, int a_atom_bytes,
+                                                 const unsigned char* b, int b_atom_bytes) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk) {
+        const int atom = kk / 4, step = kk % 4;
+        const u64 da = wgmma_desc_advance(wgmma_desc(a + atom * a_atom_bytes), 32 * step);
+        const u64 db = wgmma_desc_advance(wgmma_desc(b + atom * b_atom_bytes), 32 * step);
+        wgmma_ss<N, 0>(acc, da, db, kk > 0);
+    }
+    wgmma_commit();
+}

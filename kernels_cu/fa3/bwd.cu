@@ -55,15 +55,7 @@ constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consum
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
 __device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int atom = kk / 4, step = kk % 4;
-        const u64 da = wgmma_desc_advance(wgmma_desc(x_rows + atom * BN * 128), 32 * step);
-        const u64 db = wgmma_desc_advance(wgmma_desc(y + atom * BM * 128), 32 * step);
-        wgmma_ss<BM, 0>(acc, da, db, kk > 0);
-    }
-    wgmma_commit();
+    wgmma_abt_kmajor<BM, D / 16>(acc, x_rows, BN * 128, y, BM * 128);
 }
 
 // acc (64 keys x D) += A (64 keys x BM queries, registers) Y (BM x D, read MN-major from [BM][D] atoms).

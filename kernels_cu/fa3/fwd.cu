@@ -78,15 +78,7 @@ __device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR
 // S = Q K^T for one K tile (asynchronous; one commit group): D / 16 k-steps, 4 per 64-column atom, 32
 // bytes apart inside the atom (the zero padding of d = 96 is skipped).
 __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned char* q_rows, const unsigned char* k) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const int atom = kk / 4, step = kk % 4;
-        const u64 da = wgmma_desc_advance(wgmma_desc(q_rows + atom * BM * 128), 32 * step);
-        const u64 db = wgmma_desc_advance(wgmma_desc(k + atom * BN * 128), 32 * step);
-        wgmma_ss<BN, 0>(sc, da, db, kk > 0);
-    }
-    wgmma_commit();
+    wgmma_abt_kmajor<BN, D / 16>(sc, q_rows, BM * 128, k, BN * 128);
 }
 
 // O += P V for one V tile (asynchronous; one commit group): P from registers 16 keys at a time; V [BN][D]
