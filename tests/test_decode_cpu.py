@@ -25,7 +25,7 @@ import cuflash
 from cuflash import _device, api, decode, heuristics
 from cuflash import reference as ref
 from cuflash._interop import Spec
-from test_bad_input_table import Case, _ReachedKernel, _SpecCall, check_refused  # the same stand-ins
+from test_bad_input_table import Case, _ReachedKernel, _SpecCall, check_refused, spec  # the same stand-ins
 
 B, SQ, H, HKV, D = 2, 1, 8, 2, 128
 CACHE = 100  # contiguous cache rows per entry
@@ -36,16 +36,6 @@ LENS = (5, 60)
 TABLE = ((3, 1, 4, 19, -1, -1, -1, -1), (0, 2, 5, 6, 7, 8, -1, -1))  # -1: unused (beyond the keys)
 RO = 70  # rotary table rows
 GOOD_CC = (9, 0)
-
-
-def spec(shape, dtype="bfloat16", strides=None, device=0, ptr=0x10000) -> Spec:
-    if strides is None:
-        strides, acc = [], 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= s
-        strides = tuple(reversed(strides))
-    return Spec("", tuple(shape), tuple(strides), dtype, device, ptr)
 
 
 @dataclasses.dataclass(frozen=True)
