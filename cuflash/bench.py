@@ -1315,15 +1315,24 @@ class _Sweep:
         for impl in self.impls:
             self.progress.update(self.task, description=f"{suite.name} d={shape.headdim} "
                                  f"{'causal' if shape.causal else 'full'} {shape.label} {impl}")
-            if self.context_lost is not None:
-                rows.append(make_row(suite, impl, shape, cfg.dtype, env=self.env,
-                                     error=f"skipped: CUDA context lost after {self.context_lost}"))
-            else:
-                rows.append(measure(suite, case, impl, cfg, self.env))
-                if _is_fatal(rows[-1]["error"]):
-                    self.context_lost = f"{impl} at {shape.label} d={shape.headdim}"
+            rows.append(self.row_unless_context_lost(impl, shape, lambda: measure(suite, case, impl, cfg, self.env)))
             self.progress.advance(self.task)
         case = None
+        return self.finish_shape(rows)
+
+    def row_unless_context_lost(self, impl: str, shape: Shape, measure_row) -> dict:
+        """``measure_row()``, or a "skipped" row once a kernel fault has killed the CUDA context; a fatal
+        error in the measured row marks the context lost for every later one."""
+        if self.context_lost is not None:
+            return make_row(self.suite, impl, shape, self.cfg.dtype, env=self.env,
+                            error=f"skipped: CUDA context lost after {self.context_lost}")
+        row = measure_row()
+        if _is_fatal(row["error"]):
+            self.context_lost = f"{impl} at {shape.label} d={shape.headdim}"
+        return row
+
+    def finish_shape(self, rows: list[dict]) -> list[dict]:
+        """Frees the shape's memory (while the context lives) and adds the speed-ups over the peers."""
         if self.context_lost is None:
             free_memory()
         add_speedups(rows)
@@ -1362,21 +1371,14 @@ class _Sweep:
         for impl, page in self.decode_entries():
             row_shape = dataclasses.replace(shape, page_size=page)
             self.progress.update(self.task, description=f"decode d={shape.headdim} {row_shape.label} {impl}")
-            if self.context_lost is not None:
-                rows.append(make_row(suite, impl, row_shape, cfg.dtype, env=self.env,
-                                     error=f"skipped: CUDA context lost after {self.context_lost}"))
-            elif case_error is not None:
+            if case_error is not None and self.context_lost is None:
                 rows.append(make_row(suite, impl, row_shape, cfg.dtype, env=self.env, error=f"inputs: {case_error}"))
             else:
-                rows.append(measure_decode(suite, case, impl, page, cfg, self.env))
-                if _is_fatal(rows[-1]["error"]):
-                    self.context_lost = f"{impl} at {row_shape.label} d={shape.headdim}"
+                rows.append(self.row_unless_context_lost(
+                    impl, row_shape, lambda: measure_decode(suite, case, impl, page, cfg, self.env)))
             self.progress.advance(self.task)
         case = None
-        if self.context_lost is None:
-            free_memory()
-        add_speedups(rows)
-        return rows
+        return self.finish_shape(rows)
 
     def decode_group(self, headdim: int, checkpoint=None):
         """Rows and table of the decode shapes at one head dim; ``checkpoint(rows)`` after each shape."""
