@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const __grid_constant__ TensorMap map_dq, const __grid_constant__ TensorMap map_lse,
             const __grid_constant__ TensorMap map_dsum, const Fa3BwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    Smem& sm = aligned_smem<Smem>(smem_raw);
 
     const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
