@@ -66,19 +66,16 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
-# dQ into the fp32 accumulator by TMA reduce-add through shared memory (True) or by atomics (False, the
-# first version; kept as a switch while the reduce-add path is new: tests run both).
-BWD_DQ_TMA = True
 
 
-def bwd_variant(headdim: int, dtype: str, dq_tma: bool | None = None) -> Variant:
-    dq_tma = BWD_DQ_TMA if dq_tma is None else dq_tma
+def bwd_variant(headdim: int, dtype: str) -> Variant:
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
-    dq_bytes = 2 * BWD_BLOCK_M * 64 * 4 if dq_tma else 32  # per consumer: one 64-column fp32 atom of dQ
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + 8 * 5 + 2048  # + barriers, + alignment slack
+    dq_bytes = 2 * BWD_BLOCK_M * 64 * 4  # per consumer: one 64-column fp32 atom of dQ, staged for the reduce-add
+    lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 5 + 2048  # + barriers, + slack
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_DQ_TMA", int(dq_tma)),
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]),
          ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
@@ -89,7 +86,7 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
         return []
     fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
-    return fwd + [bwd_variant(d, dtype, dq_tma) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for dq_tma in (True, False)]
+    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS]
 
 
 def pack_gqa(dims: Dims, varlen: bool) -> bool:
@@ -169,8 +166,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     (the row passes are common/bwd_aux.cu's, shared with the other families)."""
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
     variant = bwd_variant(dims.headdim, dims.dtype)
+    if lse.data.ptr % 16:  # the LSE's tensor map needs a 16-byte aligned base (a view into a larger array)
+        lse = lse.copy()
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
-            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims))
+            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse, dims), _rows_map(dsum, dims))
     p = np.zeros(1, BWD_PARAMS)
     for name, a in (("lse", lse), ("dsum", dsum), ("dq_accum", dq_accum), ("dk", dk), ("dv", dv)):
         p[name] = a.data.ptr
@@ -183,6 +182,17 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)
 
+
+
+def _rows_map(rows, dims: Dims):
+    """A contiguous fp32 (batch, heads, seqlen_q) array (the LSE, D) as one flat 1-D map with 64-element
+    boxes: the backward loads each (Q, dO) block's rows with it (any seqlen_q: a 2-D map would need rows
+    a multiple of 16 bytes apart)."""
+    total = dims.batch * dims.heads * dims.seqlen_q
+    if total >= 2 ** 31:
+        raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: batch x heads x seqlen_q "
+                         f"must be below 2^31; got {total}")
+    return _tma.encode_tiled(rows.data.ptr, "float32", (total,), (), (BWD_BLOCK_M,), swizzle=0)
 
 
 def _dq_accum_map(dq_accum, dims: Dims):

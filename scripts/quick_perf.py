@@ -11,7 +11,6 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash import fa3
 from cuflash.bench import time_fn
 
 
@@ -31,11 +30,6 @@ def _torch_sdpa(backend_name):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     return run
-
-
-def _bwd_variants(impl):
-    """(column label, fa3.BWD_DQ_TMA) per backward to time: FA3's two dQ paths (TMA reduce-add, atomics)."""
-    return [("fa3", True), ("fa3-atomic", False)] if impl == "fa3" else [(impl, True)]
 
 
 def probe(headdims, seqlens, reps, impls=None, backward=True):
@@ -58,16 +52,13 @@ def probe(headdims, seqlens, reps, impls=None, backward=True):
                     out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, impl=impl)
                     ms = time_fn(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl=impl), 3, reps)
                     row[f"{impl} fwd"] = flops / ms / 1e9
-                    for label, dq_tma in _bwd_variants(impl) if impl in bwd_impls else ():
-                        fa3.BWD_DQ_TMA = dq_tma
+                    if impl in bwd_impls:
                         try:
                             ms = time_fn(lambda: cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
                                                                              impl=impl), 3, reps)
-                            row[f"{label} bwd"] = 2.5 * flops / ms / 1e9
+                            row[f"{impl} bwd"] = 2.5 * flops / ms / 1e9
                         except ValueError as exc:  # a head dim this family's backward does not have
-                            print(f"{label} bwd d={d}: {str(exc).splitlines()[0][:100]}")
-                        finally:
-                            fa3.BWD_DQ_TMA = True
+                            print(f"{impl} bwd d={d}: {str(exc).splitlines()[0][:100]}")
                 if peers:
                     import torch
 

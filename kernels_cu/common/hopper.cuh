@@ -17,6 +17,16 @@ struct alignas(64) TensorMap {
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
+// The dynamic shared memory as a T at the first 1024-byte boundary (128-byte-swizzled TMA boxes and wgmma
+// tiles need it; the launcher asks for 1023 bytes of slack). Pointer arithmetic on the __shared__ array
+// keeps the shared address space visible to the compiler: stores through it are STS, and a proxy fence
+// after them needs no MEMBAR. Rounding the address as an integer loses that (generic ST and a
+// MEMBAR.ALL.CTA before every fence.proxy.async, seen in the FA3 backward's dS and dQ staging).
+template <typename T>
+__device__ __forceinline__ T& aligned_smem(unsigned char* raw) {
+    return *reinterpret_cast<T*>(raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // mbarrier: a transaction counter in shared memory. The producer arms it with the bytes it expects,
 // TMA completes those bytes, and consumers wait on its phase parity.
@@ -54,6 +64,13 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
         "[%2];" ::"r"(smem_u32(dst)),
         "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+__device__ __forceinline__ void tma_load_1d(void* dst, const TensorMap* map, u64* bar, int c0) {
+    asm volatile(
+        "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3}], [%2];" ::"r"(
+            smem_u32(dst)),
+        "l"(map), "r"(smem_u32(bar)), "r"(c0)
         : "memory");
 }
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {

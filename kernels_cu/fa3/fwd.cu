@@ -222,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_o, const Fa3FwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    Smem& sm = *reinterpret_cast<Smem*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    Smem& sm = aligned_smem<Smem>(smem_raw);
 
     const int warpgroup = threadIdx.x / 128;
     const int group = p.heads / p.kv_heads;
