@@ -14,7 +14,8 @@ THREADS = 128  # 4 warps, one row each
 # Mirror of BwdAuxParams (same order, C alignment).
 PARAMS = np.dtype(
     pointer_fields("o", "dout", "dq_accum", "dq", "dsum") + stride_fields("o", "do", "dq")
-    + [("batch", np.int32), ("heads", np.int32), ("seqlen_q", np.int32), ("scale", np.float32)],
+    + [("batch", np.int32), ("heads", np.int32), ("seqlen_q", np.int32), ("scale", np.float32)]
+    + pointer_fields("lse", "lse_rows") + [("row_pitch", np.int64)],
     align=True,
 )
 
@@ -28,13 +29,16 @@ def all_variants(headdims) -> list[Variant]:
     return [variant(k, d, dtype) for dtype in DTYPE_CODES for d in headdims for k in KERNELS]
 
 
-def _params(out, dout, dq, dq_accum, dsum, dims, scale):
+def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None, row_pitch=None):
     p = np.zeros(1, PARAMS)
     for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
         p[name] = a.data.ptr
     for prefix, a in (("o", out), ("do", dout), ("dq", dq)):
         fill_strides(p, prefix, a)
     p["batch"], p["heads"], p["seqlen_q"], p["scale"] = dims.batch, dims.heads, dims.seqlen_q, scale
+    p["row_pitch"] = dims.seqlen_q if row_pitch is None else row_pitch
+    if lse_rows is not None:
+        p["lse"], p["lse_rows"] = lse.data.ptr, lse_rows.data.ptr
     return p
 
 
@@ -45,9 +49,13 @@ def _launch(kernel, p, dims, stream):
     launch(v, ((rows + rows_per_block - 1) // rows_per_block,), (p,), stream)
 
 
-def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream) -> None:
-    """dsum = rowsum(dout * out); dq_accum = 0."""
-    _launch("bwd_preprocess", _params(out, dout, dq, dq_accum, dsum, dims, scale), dims, stream)
+def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, lse=None, lse_rows=None,
+               row_pitch=None) -> None:
+    """dsum = rowsum(dout * out); dq_accum = 0. dsum is (batch, heads, row_pitch) (default pitch:
+    seqlen_q); with ``lse_rows``, the contiguous (batch, heads, seqlen_q) ``lse`` is copied into it in
+    dsum's layout. Entries past seqlen_q of each row are not written."""
+    p = _params(out, dout, dq, dq_accum, dsum, dims, scale, lse, lse_rows, row_pitch)
+    _launch("bwd_preprocess", p, dims, stream)
 
 
 def convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream) -> None:

@@ -60,7 +60,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
 
 
 BWD_PARAMS = np.dtype(
-    pointer_fields("lse", "dsum", "dq_accum", "dk", "dv") + stride_fields("dk", "dv")
+    pointer_fields("dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("scale", np.float32)],
     align=True,
@@ -162,20 +162,30 @@ def _sm_count() -> int:
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
-    """Launch preprocess (D, dQ accumulator zeroed), the main kernel and the dQ conversion on ``stream``
-    (the row passes are common/bwd_aux.cu's, shared with the other families)."""
-    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+    """Launch preprocess (D and a copy of the LSE in padded rows, dQ accumulator zeroed), the main kernel
+    and the dQ conversion on ``stream`` (the row passes are common/bwd_aux.cu's, shared with the other
+    families). ``dsum`` (the caller's unpadded D buffer) is not used: the kernel's TMA loads of LSE and D
+    rows need each block to start at a 16-byte aligned offset (a load at row 113 of a head faulted with an
+    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here."""
+    pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M
+    total = dims.batch * dims.heads * pitch
+    if total >= 2 ** 31:
+        raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: batch x heads x seqlen_q "
+                         f"(seqlen_q rounded up to {BWD_BLOCK_M}) must be below 2^31; got {total}")
+    import cupy
+
+    rows = cupy.empty((2, total), dtype=cupy.float32)
+    lse_rows, dsum_rows = rows[0], rows[1]
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, dims, scale, stream, lse=lse, lse_rows=lse_rows,
+                        row_pitch=pitch)
     variant = bwd_variant(dims.headdim, dims.dtype)
-    if lse.data.ptr % 16:  # the LSE's tensor map needs a 16-byte aligned base (a view into a larger array)
-        lse = lse.copy()
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
-            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse, dims), _rows_map(dsum, dims))
+            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse_rows), _rows_map(dsum_rows))
     p = np.zeros(1, BWD_PARAMS)
-    for name, a in (("lse", lse), ("dsum", dsum), ("dq_accum", dq_accum), ("dk", dk), ("dv", dv)):
-        p[name] = a.data.ptr
+    p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
-    fill_row_strides(p, dims, None)
+    p["row_batch_stride"], p["row_head_stride"] = dims.heads * pitch, pitch
     fill_dims(p, dims, window)
     p["scale_log2"], p["scale"] = scale * LOG2E, scale
     grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
@@ -183,16 +193,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)
 
 
-
-def _rows_map(rows, dims: Dims):
-    """A contiguous fp32 (batch, heads, seqlen_q) array (the LSE, D) as one flat 1-D map with 64-element
-    boxes: the backward loads each (Q, dO) block's rows with it (any seqlen_q: a 2-D map would need rows
-    a multiple of 16 bytes apart)."""
-    total = dims.batch * dims.heads * dims.seqlen_q
-    if total >= 2 ** 31:
-        raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: batch x heads x seqlen_q "
-                         f"must be below 2^31; got {total}")
-    return _tma.encode_tiled(rows.data.ptr, "float32", (total,), (), (BWD_BLOCK_M,), swizzle=0)
+def _rows_map(rows):
+    """A flat fp32 array of padded (batch, heads, pitch) rows (LSE, D) as one row of 64-element boxes, which
+    the producer loads with each (Q, dO) block. The map has a second dimension of size 1: a rank-1 map
+    failed to encode on the H200 (CUDA_ERROR_INVALID_VALUE, with the empty stride list); that dimension's
+    stride is never stepped and only has to be a multiple of 16."""
+    row_bytes = (rows.size * 4 + 15) // 16 * 16
+    return _tma.encode_tiled(rows.data.ptr, "float32", (rows.size, 1), (row_bytes,), (BWD_BLOCK_M, 1), swizzle=0)
 
 
 def _dq_accum_map(dq_accum, dims: Dims):

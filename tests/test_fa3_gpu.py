@@ -201,7 +201,7 @@ def test_backward_refuses_other_head_dims():
 
 
 def test_backward_lse_view_not_16_byte_aligned(poison_allocations):
-    """The LSE reaches the kernel through a 1-D tensor map, whose base must be 16-byte aligned: an LSE that is
+    """The LSE reaches the kernel through a flat-row tensor map, whose base must be 16-byte aligned: an LSE that is
     a view starting 4 bytes into its allocation (still contiguous) is copied first and gives the same
     dK/dV bits as the aligned one."""
     import cupy

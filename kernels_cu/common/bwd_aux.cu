@@ -1,5 +1,7 @@
 // The two small passes around every attention backward, one warp per (batch, head, row):
-//   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator;
+//   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
+//                   lse_rows is set, a copy of the forward's LSE) go to rows row_pitch apart, so a kernel
+//                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
 //   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
 // Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
 #include "common/types.cuh"
@@ -9,12 +11,15 @@ struct BwdAuxParams {
     const u16* dout;
     float* dq_accum;  // (batch, heads, seqlen_q, headdim) fp32
     u16* dq;
-    float* dsum;  // (batch, heads, seqlen_q) fp32
+    float* dsum;  // (batch, heads, row_pitch) fp32; entries past seqlen_q are left unwritten
     i64 o_batch_stride, o_row_stride, o_head_stride;
     i64 do_batch_stride, do_row_stride, do_head_stride;
     i64 dq_batch_stride, dq_row_stride, dq_head_stride;
     int batch, heads, seqlen_q;
     float scale;  // dQ = scale * dq_accum
+    const float* lse;  // the forward's LSE, contiguous (batch, heads, seqlen_q); read only when lse_rows is set
+    float* lse_rows;   // null, or its copy in dsum's layout
+    i64 row_pitch;     // >= seqlen_q
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -55,7 +60,11 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
     }
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) p.dsum[r] = acc;
+    if (lane == 0) {
+        const i64 row = (i64(b) * p.heads + h) * p.row_pitch + i;
+        p.dsum[row] = acc;
+        if (p.lse_rows) p.lse_rows[row] = p.lse[r];
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(const BwdAuxParams p) {

@@ -14,7 +14,7 @@
 //     added to the fp32 dQ accumulator (common/bwd_aux.cu zeroes it first, converts it last) through
 //     shared memory, one TMA reduce-add per 32-column box (2.4x faster than atomics on the H200). Each
 //     dQ element is added once per block and step (version 0 added two 64-key halves: twice the traffic).
-//   The LSE and D rows of each (Q, dO) block arrive with it through the ring (1-D tensor maps), not by
+//   The LSE and D rows of each (Q, dO) block arrive with it through the ring (flat row tensor maps), not by
 //   loads from the consumers that the S^T GEMM could not hide.
 //   At the end dK (times the softmax scale) and dV are stored from registers.
 // Not yet: softcap, varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
@@ -110,12 +110,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
                 tma_load_atoms<ATOMS>(sm.q[s], BM, &map_q, &sm.qd_full[s], m * BM, h, batch);
                 tma_load_atoms<ATOMS>(sm.dout[s], BM, &map_do, &sm.qd_full[s], m * BM, h, batch);
-                // LSE and D rows of the block: the flat (batch, heads, seqlen_q) arrays as 1-D maps. A last
+                // LSE and D rows of the block: the flat (batch, heads, seqlen_q) arrays as one flat row each. A last
                 // block's rows past seqlen_q read the next head's values (or zeros past the end): the
                 // consumers never use them.
                 const int row0 = int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride) + m * BM;
-                tma_load_1d(sm.lse[s], &map_lse, &sm.qd_full[s], row0);
-                tma_load_1d(sm.dsum[s], &map_dsum, &sm.qd_full[s], row0);
+                tma_load_2d(sm.lse[s], &map_lse, &sm.qd_full[s], row0, 0);
+                tma_load_2d(sm.dsum[s], &map_dsum, &sm.qd_full[s], row0, 0);
             }
         }
         return;

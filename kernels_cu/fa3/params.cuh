@@ -17,14 +17,12 @@ struct Fa3FwdParams {
 };
 
 struct Fa3BwdParams {
-    const float* lse;  // (batch, heads, seqlen_q) fp32, the forward's
-    const float* dsum;  // D = rowsum(dO o O), same layout (common/bwd_aux.cu)
-    float* dq_accum;    // (batch, heads, seqlen_q, headdim) fp32, zeroed by bwd_preprocess
+    // LSE, D and dQ reach the kernel through tensor maps (cuflash/fa3.py: backward)
     u16* dk;
     u16* dv;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
-    i64 row_batch_stride, row_head_stride;  // of lse, dsum and the rows of dq_accum
+    i64 row_batch_stride, row_head_stride;  // of the LSE / D rows, padded to a multiple of 64 per head
     int batch, heads, kv_heads, seqlen_q, seqlen_k;
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale_log2;               // softmax scale * log2(e)
