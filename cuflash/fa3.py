@@ -14,7 +14,7 @@ from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, LOG2E, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
 from ._validate import Dims
-from .heuristics import FA3_TILES
+from .heuristics import FA3_FP8_TILES, FA3_TILES
 
 FAMILY = "fa3"
 HEADDIMS = tuple(sorted(FA3_TILES))
@@ -25,12 +25,22 @@ BWD_FEATURES = frozenset({"causal", "window", "gqa"})
 BWD_HEADDIMS = (64, 128)  # v0: dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
+FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
+FP8_BLOCK_N = 128  # keys per K/V tile of the FP8 forward: K/V descale blocks are whole multiples of it
+FP8_TRANSPOSE_THREADS = 256
 
 PARAMS = np.dtype(
     pointer_fields("o", "lse", "cu_seqlens_q", "cu_seqlens_k")
     + [(f"o_{s}_stride", np.int64) for s in ("batch", "row", "head")]
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
-    + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)],
+    + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
+    + pointer_fields("q_descale", "k_descale", "v_descale")
+    + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")],
+    align=True,
+)
+FP8_TRANSPOSE_PARAMS = np.dtype(
+    pointer_fields("v", "vt") + [(f"v_{s}_stride", np.int64) for s in ("batch", "row", "head")]
+    + [(n, np.int32) for n in ("seqlen_k", "keys_padded", "kv_heads")],
     align=True,
 )
 
@@ -38,25 +48,36 @@ PARAMS = np.dtype(
 MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
-def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False) -> Variant:
-    t = FA3_TILES[headdim]
-    padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
-    q_bytes, kv_bytes = BLOCK_M * padded * 2, t.block_n * padded * 2
-    smem = q_bytes + 2 * t.stages * kv_bytes + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB alignment slack
-    # O staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a sequence's end
-    # fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
-    store_o_tma = not varlen and not pack_gqa and smem + q_bytes <= MAX_SMEM
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
+                fp8: bool = False) -> Variant:
+    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16)."""
+    t = (FA3_FP8_TILES if fp8 else FA3_TILES)[headdim]
+    elem = 1 if fp8 else 2
+    padded = -(-headdim * elem // 128) * 128 // elem  # tiles hold whole 128-byte atom rows (d = 96 as 128)
+    q_bytes, k_bytes = BLOCK_M * padded * elem, t.block_n * padded * elem
+    v_bytes = headdim * t.block_n if fp8 else k_bytes  # FP8: a V^T tile of d rows x block_n keys
+    smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
+    # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
+    # sequence's end fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
+    o_bytes = BLOCK_M * (headdim if fp8 else padded) * 2
+    store_o_tma = not varlen and not pack_gqa and smem + o_bytes <= MAX_SMEM
     if store_o_tma:
-        smem += q_bytes
+        smem += o_bytes
     else:
         smem += 16 + 1024  # the unused 16-byte placeholder, aligned
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
          ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
-         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_SMEM_BYTES", smem)),
+         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
+         ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
+
+
+def fp8_transpose_variant(headdim: int) -> Variant:
+    return Variant(FAMILY, "fa3/fp8_transpose_v.cu", "fp8_transpose_v", (("CUFLASH_HEADDIM", headdim),),
+                   threads=FP8_TRANSPOSE_THREADS)
 
 
 BWD_PARAMS = np.dtype(
@@ -86,7 +107,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
         return []
     fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
-    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS]
+    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS] + [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
+    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS] + fp8
 
 
 def pack_gqa(dims: Dims, varlen: bool) -> bool:
@@ -109,16 +131,17 @@ def _packed_q_map(q, group: int):
 
 
 def _tensor_map(a, rows_per_box: int):
-    """A 4-D map over (d, seqlen, heads, batch), innermost first, loading 64 x rows_per_box boxes. A packed
-    (total, heads, d) array is one batch entry of ``total`` rows (the kernel adds each sequence's start)."""
+    """A 4-D map over (d, seqlen, heads, batch), innermost first, loading boxes of one 128-byte atom row
+    (64 16-bit or 128 8-bit elements; past d TMA fills zeros) x rows_per_box. A packed (total, heads, d)
+    array is one batch entry of ``total`` rows (the kernel adds each sequence's start)."""
     if a.ndim == 3:
         (s, h, d), b = a.shape, 1
         strides = (a.strides[0], a.strides[1], a.strides[0] * max(1, s))  # the batch stride is never used
     else:
         b, s, h, d = a.shape
         strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
-    return _tma.encode_tiled(a.data.ptr, dtype_name(a.dtype), (d, s, h, b), strides, (64, rows_per_box, 1, 1),
-                             swizzle=128)
+    return _tma.encode_tiled(a.data.ptr, dtype_name(a.dtype), (d, s, h, b), strides,
+                             (128 // a.dtype.itemsize, rows_per_box, 1, 1), swizzle=128)
 
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0,
@@ -153,6 +176,50 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
         tiles = -(-dims.seqlen_q // BLOCK_M) * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     launch(variant, grid, (map_q, map_k, map_v, map_o, p), stream)
+
+
+def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int, kv_block: int, dims: Dims,
+                window: tuple[int, int], scale: float, stream) -> None:
+    """The FP8 forward on ``stream``: V transposed into a scratch V^T by fa3/fp8_transpose_v.cu, then the
+    kernel (kernels_cu/fa3/fwd.cu with CUFLASH_FP8).
+
+    q, k, v: uint8 (batch, seqlen, heads or kv_heads, d) e4m3 bytes, last dim contiguous, 16-byte aligned
+    base and strides. out: bf16 (batch, seqlen_q, heads, d); lse: fp32 (batch, heads, seqlen_q).
+    q_descale: contiguous fp32 (batch, heads, nq), query row i using [b, h, i // q_block]; k_descale,
+    v_descale: contiguous fp32 (batch, kv_heads, nk), key j using [b, hk, j // kv_block], kv_block a
+    multiple of FP8_BLOCK_N. ``dims.dtype`` is the output's ("bfloat16").
+    """
+    import cupy
+
+    if kv_block % FP8_BLOCK_N:
+        raise ValueError(f"the FP8 kernel takes K/V descale blocks of a multiple of {FP8_BLOCK_N} keys; got {kv_block}")
+    t = FA3_FP8_TILES[dims.headdim]
+    keys_padded = -(-dims.seqlen_k // 16) * 16
+    vt = cupy.empty((dims.batch, dims.kv_heads, dims.headdim, keys_padded), dtype=cupy.uint8)
+    tp = np.zeros(1, FP8_TRANSPOSE_PARAMS)
+    tp["v"], tp["vt"] = v.data.ptr, vt.data.ptr
+    for axis, name in enumerate(("batch", "row", "head")):
+        tp[f"v_{name}_stride"] = v.strides[axis]
+    tp["seqlen_k"], tp["keys_padded"], tp["kv_heads"] = dims.seqlen_k, keys_padded, dims.kv_heads
+    launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
+
+    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True)
+    map_q, map_k = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n)
+    # V^T (keys, d, kv_heads, batch), innermost first: boxes of block_n keys x d rows
+    map_vt = _tma.encode_tiled(vt.data.ptr, "uint8", (keys_padded, dims.headdim, dims.kv_heads, dims.batch),
+                               vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
+    map_o = _tensor_map(out, BLOCK_M // 2)
+    p = np.zeros(1, PARAMS)
+    p["o"], p["lse"] = out.data.ptr, lse.data.ptr
+    fill_strides(p, "o", out)
+    fill_row_strides(p, dims, None)
+    fill_dims(p, dims, window)
+    p["scale_log2"], p["softcap_pre"] = logit_scales(scale, 0.0)
+    p["q_descale"], p["k_descale"], p["v_descale"] = q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr
+    p["q_descale_blocks"], p["q_descale_rows"] = q_descale.shape[2], q_block
+    p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // FP8_BLOCK_N
+    tiles = -(-dims.seqlen_q // BLOCK_M) * dims.heads * dims.batch
+    launch(variant, (min(tiles, _sm_count()),), (map_q, map_k, map_vt, map_o, p), stream)
 
 
 def _sm_count() -> int:

@@ -120,6 +120,16 @@ FA3_TILES = {
 }
 
 
+# head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:
+# a V^T tile row of 128 keys is exactly one 128-byte swizzle atom. Tiles are half the bytes of bf16's, so
+# two stages are 80 KB at d = 64 (Q and K rows padded to 128 bytes) and 128, 160 KB at d = 256.
+FA3_FP8_TILES = {
+    64: Fa3Tiles(block_n=128, stages=2),
+    128: Fa3Tiles(block_n=128, stages=2),
+    256: Fa3Tiles(block_n=128, stages=2),
+}
+
+
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. Measured on the H200 (scripts/quick_perf.py,
 # bf16, 16k tokens, N = 2k-8k): forward FA3 334-754 TF/s > FA2 250-330 > FA1 55-147; backward FA3 (d = 64,
@@ -171,3 +181,35 @@ def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, b
         return 2 if paged and one_wave and tiles >= 2 * DECODE_MIN_TILES_PER_SPLIT else 1
     want = -(-2 * num_sms // blocks)
     return max(1, min(want, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cascade attention (cuflash.cascade_attention): the pass over the shared prefix
+
+# Query rows per KV head (batch x seqlen_q x the GQA group) from which the prefix goes through the prefill
+# kernels instead of the decode kernel. The decode kernel's blocks hold 16 rows: below 64 rows that is at
+# most 3 blocks per KV head streaming the prefix, memory-bound and about one read of it, which a 128-row
+# prefill tile (mostly padding then) cannot beat. From 64 rows its blocks re-read the prefix 4+ times on
+# small MMA tiles: at issue 6's shape (256 rows, 16 blocks per KV head, a 32k prefix) that pass was most of
+# the cascade's 400 µs on the H200, against 34 GFLOP for the prefill kernels (~60 µs at FA3's rate).
+CASCADE_PREFILL_MIN_ROWS = 64
+CASCADE_TILE_ROWS = 128  # query rows per prefill tile (FA3's BLOCK_M, FA2's up to d = 128)
+CASCADE_MIN_CHUNK = 512  # keys: a tile's Q load, epilogue and partial output stay small next to its key loop
+CASCADE_CHUNK_ALIGN = 128  # chunk boundaries on K/V tile boundaries (FA3's block_n up to d = 128)
+
+
+def cascade_prefix_chunk(rows: int, kv_heads: int, prefix_len: int, num_sms: int) -> int:
+    """Keys per chunk of the shared prefix when it goes through the prefill kernels (calls with
+    CASCADE_PREFILL_MIN_ROWS ``rows`` or more).
+
+    ``rows``: the query rows per KV head, which cascade_attention packs into one sequence per chunk, so
+    each chunk is ceil(rows / 128) x kv_heads tiles; unchunked, a few hundred rows would make a few dozen
+    tiles, each walking the whole prefix, on a GPU of 132 SMs. The chunk count is the largest that keeps
+    the tiles at 2 x num_sms or fewer: FA3's persistent blocks take tiles round-robin, so every SM walks
+    at most two chunks and less than one chunk's tiles of those two rounds go unused. Chunks keep
+    CASCADE_MIN_CHUNK keys or more (each one adds a partial output to the merge). The length is rounded
+    up to CASCADE_CHUNK_ALIGN, which may leave fewer chunks than counted, the last one shorter."""
+    tiles_per_chunk = -(-rows // CASCADE_TILE_ROWS) * kv_heads
+    chunks = max(1, min(2 * num_sms // tiles_per_chunk, prefix_len // CASCADE_MIN_CHUNK))
+    keys = -(-prefix_len // chunks)
+    return -(-keys // CASCADE_CHUNK_ALIGN) * CASCADE_CHUNK_ALIGN

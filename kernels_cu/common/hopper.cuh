@@ -6,6 +6,7 @@
 // 16-byte chunk c of row r lands at chunk c ^ (r % 8) — so 8-row groups are 1024 bytes apart. Wider
 // tiles (head dim 128 = two 64-column atoms) are stored atom after atom.
 #pragma once
+#include "fp8.cuh"
 #include "types.cuh"
 #include "wgmma_ops.cuh"
 
@@ -75,11 +76,11 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64
 }
 // Load a [rows][ATOMS x 64] 16-bit tile, stored atom after atom, as ATOMS boxes of 64 columns x rows of a
 // (d, rows, heads, batch) tensor map.
-template <int ATOMS>
+template <int ATOMS, int ATOM_COLS = 64>
 __device__ __forceinline__ void tma_load_atoms(unsigned char* dst, int rows, const TensorMap* map, u64* bar, int row,
                                                int head, int batch) {
 #pragma unroll
-    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * 64, row, head, batch);
+    for (int a = 0; a < ATOMS; ++a) tma_load_4d(dst + a * rows * 128, map, bar, a * ATOM_COLS, row, head, batch);
 }
 
 // Store a box from shared memory; the writes must be fenced for the async proxy first (fence_async_smem).
@@ -169,6 +170,27 @@ __device__ __forceinline__ void acc_to_a_frags(const float (&acc)[N / 2], u32 (&
         for (int r = 0; r < 4; ++r) a[kk][r] = elem_t::pack2(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
 }
 
+// The FP8 version, for O += P V on e4m3 (m64nNk32, A from registers). An 8-bit A fragment holds, per
+// thread, rows g and g + 8 and k-elements 4 q4 .. 4 q4 + 3 (registers 0, 1) and 16 + 4 q4 .. (2, 3): four
+// consecutive k per register, where the fp32 accumulator gives a thread pairs of consecutive columns
+// (2 q4, 2 q4 + 1 of each 8-column group). Instead of moving bytes between lanes, each register packs the
+// thread's own pairs of two neighbouring 8-column groups, so fragment k-position 4 q4 + i of a 16-key half
+// holds key 2 q4 + (i & 1) + 8 (i >> 1). The B operand (V^T) must list its keys in that order:
+// fp8_v_key_order(p) below, applied by the V transpose pre-pass (kernels_cu/fp8/transpose_v.cu).
+template <int N>
+__device__ __forceinline__ void acc_to_a_frags_fp8(const float (&acc)[N / 2], u32 (&a)[N / 32][4]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 32; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {  // row g, then g + 8
+                const int j0 = 4 * kk + 2 * half, j1 = j0 + 1;  // two 8-column groups of the accumulator
+                a[kk][2 * half + r] = e4m3x4(acc[4 * j0 + 2 * r], acc[4 * j0 + 2 * r + 1], acc[4 * j1 + 2 * r],
+                                             acc[4 * j1 + 2 * r + 1]);
+            }
+}
+
 // The wgmma instructions themselves (m64nNk16 for N = 64, 128, 256; A from shared memory or registers;
 // B K-major or MN-major) are generated: common/wgmma_ops.cuh.
 
@@ -176,16 +198,19 @@ __device__ __forceinline__ void acc_to_a_frags(const float (&acc)[N / 2], u32 (&
 // 128-byte rows (4 k-steps of 32 bytes per atom): A's 64 rows at `a`, its atoms `a_atom_bytes` apart; B's
 // N rows at `b`, its atoms `b_atom_bytes` apart. Asynchronous: one commit group (FA3's S = Q K^T forward,
 // S^T = K Q^T and dP^T = V dO^T backward).
-template <int N, int KSTEPS>
+template <int N, int KSTEPS, bool FP8 = false>
 __device__ __forceinline__ void wgmma_abt_kmajor(float (&acc)[N / 2], const unsigned char* a, int a_atom_bytes,
                                                  const unsigned char* b, int b_atom_bytes) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
-        const int atom = kk / 4, step = kk % 4;
+        const int atom = kk / 4, step = kk % 4;  // a k-step is 32 bytes: 16 bf16/fp16 or 32 e4m3 elements
         const u64 da = wgmma_desc_advance(wgmma_desc(a + atom * a_atom_bytes), 32 * step);
         const u64 db = wgmma_desc_advance(wgmma_desc(b + atom * b_atom_bytes), 32 * step);
-        wgmma_ss<N, 0>(acc, da, db, kk > 0);
+        if constexpr (FP8)
+            wgmma_ss_fp8<N>(acc, da, db, kk > 0);
+        else
+            wgmma_ss<N, 0>(acc, da, db, kk > 0);
     }
     wgmma_commit();
 }

@@ -12,12 +12,20 @@
 //       asynchronous wgmma), then computes the softmax of S_n while the tensor cores finish P_{n-1} V_{n-1};
 //     - between the two warpgroups ("pingpong"), a pair of named barriers makes them take turns issuing
 //       their GEMMs, so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
-// Tiles in shared memory are 64-column atoms with the 128-byte swizzle that TMA writes and wgmma reads
-// (common/hopper.cuh). The epilogue stores O through shared memory with TMA where it can (STORE_O_TMA).
+// Tiles in shared memory are atoms of 128-byte rows with the 128-byte swizzle that TMA writes and wgmma
+// reads (common/hopper.cuh). The epilogue stores O through shared memory with TMA where it can (STORE_O_TMA).
+//
+// FP8 variants (CUFLASH_FP8, issue 9): Q, K and V are e4m3 bytes and both GEMMs run on FP8 wgmma (k = 32,
+// twice the bf16 rate). FP8 wgmma reads shared-memory operands K-major only, so V arrives transposed, as
+// V^T [d][keys] tiles written by a pre-pass (fa3/fp8_transpose_v.cu) in the key order that lets P go from
+// the S accumulator to 8-bit A fragments without shuffles (acc_to_a_frags_fp8). Descale factors: a query
+// row's (per Q block) and a K tile's (per K block) multiply the logits through the per-row softmax scale;
+// V's (per V block) is kept out of the accumulation by holding O in units of the current tile's V descale
+// (O *= alpha vs_{n-1} / vs_n at each rescale) and applying the last one with 1 / l. O is bf16.
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
-// CUFLASH_STAGES, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_STORE_O_TMA (0/1),
-// CUFLASH_PACK_GQA (0/1).
+// CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
+// (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -26,10 +34,14 @@
 #include "fa3/params.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
-// Tiles hold whole 64-column atoms: d = 96 is stored as 128 columns whose last 32 TMA fills with zeros
-// (the tensor map's row is 96 wide). S = Q K^T runs over the 96 real columns only; O += P V runs at
-// N = 128 and the 32 extra output columns (zeros) are not stored.
-constexpr int DP = (D + 63) / 64 * 64;
+constexpr bool FP8 = CUFLASH_FP8;
+constexpr int ELEM_BYTES = FP8 ? 1 : 2;         // of Q, K, V
+constexpr int ATOM_COLS = 128 / ELEM_BYTES;     // elements per 128-byte atom row
+// Tiles hold whole atoms: d = 96 (bf16) is stored as 128 columns whose last 32 TMA fills with zeros (the
+// tensor map's row is 96 wide), d = 64 (FP8) as 128. S = Q K^T runs over the d real columns only; in
+// bf16, O += P V runs at N = DP and the extra output columns (zeros) are not stored.
+constexpr int DP = (D + ATOM_COLS - 1) / ATOM_COLS * ATOM_COLS;
+constexpr int OD = FP8 ? D : DP;                // columns of the O accumulator (FP8: N = d of V^T's rows)
 constexpr int BM = 128;  // two consumer warpgroups x 64 rows
 constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
@@ -47,18 +59,25 @@ static_assert(!(STORE_O_TMA && VARLEN), "packed batches store O from registers")
 // box is (64, group, BM / group); O is stored from registers.
 constexpr bool PACK_GQA = CUFLASH_PACK_GQA;
 static_assert(!(PACK_GQA && (VARLEN || STORE_O_TMA)), "GQA packing: fixed-length batches, O from registers");
-constexpr int ATOMS = DP / 64;  // 64-column atoms per row
+static_assert(!(FP8 && (SOFTCAP || VARLEN || PACK_GQA)), "FP8: fixed-length batches, no softcap");
+static_assert(!FP8 || BN == 128, "FP8: a V^T tile row is exactly one 128-byte atom of keys");
+constexpr int ATOMS = DP / ATOM_COLS;  // atoms per row of a Q or K tile
+constexpr int O_ATOMS = OD / 64;       // 64-column atoms of the 16-bit O staged for the TMA store
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
-constexpr int Q_BYTES = BM * DP * 2, KV_BYTES = BN * DP * 2;
+constexpr int Q_BYTES = BM * DP * ELEM_BYTES, K_BYTES = BN * DP * ELEM_BYTES;
+constexpr int V_BYTES = FP8 ? D * BN : K_BYTES;  // FP8: a V^T tile, d rows of BN keys
+constexpr int O_BYTES = BM * OD * 2;
+constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
+constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 16-column k-steps; BN is a wgmma N");
+static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
 
 struct Smem {
-    alignas(1024) unsigned char q[Q_BYTES];             // ATOMS atoms of [BM][64]
-    alignas(1024) unsigned char k[STAGES][KV_BYTES];    // ATOMS atoms of [BN][64]
-    alignas(1024) unsigned char v[STAGES][KV_BYTES];
-    alignas(1024) unsigned char o[STORE_O_TMA ? Q_BYTES : 16];  // per consumer: ATOMS atoms of [64][64]
+    alignas(1024) unsigned char q[Q_BYTES];            // ATOMS atoms of [BM][128 bytes]
+    alignas(1024) unsigned char k[STAGES][K_BYTES];    // ATOMS atoms of [BN][128 bytes]
+    alignas(1024) unsigned char v[STAGES][V_BYTES];    // as k; FP8: [D][BN keys]
+    alignas(1024) unsigned char o[STORE_O_TMA ? O_BYTES : 16];  // per consumer: O_ATOMS atoms of [64][64]
     u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.
@@ -78,20 +97,37 @@ __device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR
 // S = Q K^T for one K tile (asynchronous; one commit group): D / 16 k-steps, 4 per 64-column atom, 32
 // bytes apart inside the atom (the zero padding of d = 96 is skipped).
 __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned char* q_rows, const unsigned char* k) {
-    wgmma_abt_kmajor<BN, D / 16>(sc, q_rows, BM * 128, k, BN * 128);
+    wgmma_abt_kmajor<BN, QK_STEPS, FP8>(sc, q_rows, BM * 128, k, BN * 128);
 }
 
-// O += P V for one V tile (asynchronous; one commit group): P from registers 16 keys at a time; V [BN][D]
-// read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step.
-__device__ __forceinline__ void issue_pv(float (&o)[DP / 2], const u32 (&pv_a)[BN / 16][4], const unsigned char* v) {
+// O += P V for one V tile (asynchronous; one commit group): P from registers. bf16: 16 keys per step, V
+// [BN][D] read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step. FP8: 32
+// keys per step, V^T [D][BN] read K-major, 32 keys = 32 bytes further along its one atom.
+__device__ __forceinline__ void issue_pv(float (&o)[OD / 2], const u32 (&pv_a)[PV_STEPS][4], const unsigned char* v) {
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<DP, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+    for (int kk = 0; kk < PV_STEPS; ++kk) {
+#if CUFLASH_FP8  // (the preprocessor: the other branch's operand shapes do not exist in this variant)
+        wgmma_rs_fp8<OD>(o, pv_a[kk], wgmma_desc_advance(wgmma_desc(v), 32 * kk), 1);
+#else
+        wgmma_rs<DP, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+#endif
+    }
     wgmma_commit();
 }
 
+// P_n (fp32, accumulator layout) -> the A fragments of O += P V.
+__device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[PV_STEPS][4]) {
+#if CUFLASH_FP8
+    acc_to_a_frags_fp8<BN>(sc, pv_a);
+#else
+    acc_to_a_frags<BN>(sc, pv_a);
+#endif
+}
+
 // Running max and exp-sum of this thread's two rows. Logits x are S (or tanh(S softcap_pre) with
-// softcap), P = 2^(x scale_log2 - m scale_log2): cuflash/_params.logit_scales.
+// softcap), P = 2^(x scale_log2 - m) with the row max m kept in log2 units (x scale_log2), so the scale
+// may change from tile to tile (FP8: times the K tile's descale): cuflash/_params.logit_scales.
 struct OnlineSoftmax {
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
 
@@ -99,8 +135,7 @@ struct OnlineSoftmax {
     // warpgroup's rows and K tile n is visible. qrow: the query rows of this thread's two rows. Returns
     // whether O needs rescaling by alpha (a row max moved somewhere in the warp).
     __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, bool all_visible, const int (&qrow)[2],
-                                         int n, int q4, const Fa3FwdParams& p) {
-        const float scale_log2 = p.scale_log2;
+                                         int n, int q4, const Fa3FwdParams& p, const float (&scale_log2)[2]) {
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) sc[i] = tanh_approx(sc[i] * p.softcap_pre);
@@ -114,12 +149,12 @@ struct OnlineSoftmax {
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = row_max[r];
+            float tile_max = neg_inf();
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            mx = quad_max(mx);
-            const float base = mx == neg_inf() ? 0.f : mx * scale_log2;
-            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * scale_log2 - base);
+            for (int j = 0; j < BN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+            const float mx = fmaxf(row_max[r], quad_max(tile_max) * scale_log2[r]);
+            const float base = mx == neg_inf() ? 0.f : mx;
+            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] - base);
             row_max[r] = mx;
             float sum = 0.f;
 #pragma unroll
@@ -127,7 +162,7 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = sc[4 * j + 2 * r + e];
-                    x = fast_exp2(x * scale_log2 - base);
+                    x = fast_exp2(x * scale_log2[r] - base);
                     sum += x;
                 }
             }
@@ -136,9 +171,9 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
     }
 
-    __device__ __forceinline__ void rescale(float (&o)[DP / 2]) const {
+    __device__ __forceinline__ void rescale(float (&o)[OD / 2]) const {
 #pragma unroll
-        for (int j = 0; j < DP / 8; ++j) {
+        for (int j = 0; j < OD / 8; ++j) {
             o[4 * j] *= alpha[0];
             o[4 * j + 1] *= alpha[0];
             o[4 * j + 2] *= alpha[1];
@@ -147,25 +182,26 @@ struct OnlineSoftmax {
     }
 };
 
-// O /= l straight from the accumulator and LSE = (m scale log2 e + log2 l) ln 2; rows past the end of the
-// sequence skipped (in a packed batch they belong to the next one). Rows count from seq.q_start.
-__device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[DP / 2], const OnlineSoftmax& sm,
-                                             const SeqInfo& seq, const int (&qrow)[2], const int (&qhead)[2], int q4,
-                                             int batch) {
+// O o_scale / l straight from the accumulator (o_scale: FP8's last V descale, else 1) and LSE = (m +
+// log2 l) ln 2; rows past the end of the sequence skipped (in a packed batch they belong to the next one).
+// Rows count from seq.q_start.
+__device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[OD / 2], const OnlineSoftmax& sm,
+                                             float o_scale, const SeqInfo& seq, const int (&qrow)[2],
+                                             const int (&qhead)[2], int q4, int batch) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(sm.row_sum[r]);
         if (qrow[r] >= seq.seqlen_q) continue;
         const i64 row = i64(seq.q_start) + qrow[r];
         const int head = qhead[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l > 0.f ? o_scale / l : 0.f;
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
             *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         if (q4 == 0)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
-                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+                l > 0.f ? (sm.row_max[r] + log2f(l)) * 0.69314718055994531f : neg_inf();
     }
 }
 
@@ -174,8 +210,8 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
 // 32 different banks), then one thread stores the ATOMS boxes of 64 x 64. The previous tile's store must
 // have finished reading the buffer first. The LSE goes from registers as in store_output.
 __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const TensorMap* map_o, unsigned char* o_smem,
-                                                 const float (&o)[DP / 2], const OnlineSoftmax& sm, int c, int t,
-                                                 int m64, int head, int batch) {
+                                                 const float (&o)[OD / 2], const OnlineSoftmax& sm, float o_scale,
+                                                 int c, int t, int m64, int head, int batch) {
     const int w = t / 32, g = (t % 32) / 4, q4 = t % 4;
     if (t == 0) tma_store_wait_read();
     named_sync(EPILOGUE_BAR + c, 128);
@@ -183,9 +219,9 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * w + g + 8 * r;  // within the warpgroup's 64 rows
         const float l = quad_sum(sm.row_sum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l > 0.f ? o_scale / l : 0.f;
 #pragma unroll
-        for (int j = 0; j < DP / 8; ++j) {
+        for (int j = 0; j < OD / 8; ++j) {
             unsigned char* atom = o_smem + (j / 8) * 64 * 128;
             *reinterpret_cast<u32*>(atom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * q4) =
                 elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
@@ -193,13 +229,13 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
         const int global_row = m64 * 64 + row;
         if (q4 == 0 && global_row < p.seqlen_q)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
-                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+                l > 0.f ? (sm.row_max[r] + log2f(l)) * 0.69314718055994531f : neg_inf();
     }
     fence_async_smem();
     named_sync(EPILOGUE_BAR + c, 128);
     if (t == 0) {
 #pragma unroll
-        for (int a = 0; a < ATOMS; ++a) tma_store_4d(map_o, o_smem + a * 64 * 128, a * 64, m64 * 64, head, batch);
+        for (int a = 0; a < O_ATOMS; ++a) tma_store_4d(map_o, o_smem + a * 64 * 128, a * 64, m64 * 64, head, batch);
         tma_store_commit();
     }
 }
@@ -216,6 +252,15 @@ __device__ __forceinline__ void query_span(int row0, int rows, int group, int& f
 __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
     return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
                   : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
+}
+
+// FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and K or V
+// tile n's of a KV head.
+__device__ __forceinline__ float q_descale(const Fa3FwdParams& p, int batch, int head, int row) {
+    return p.q_descale[(i64(batch) * p.heads + head) * p.q_descale_blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
+}
+__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head, int n) {
+    return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + n / p.kv_descale_tiles];
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -240,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const bool equal_tiles = p.window_left >= p.seqlen_k && p.window_right >= p.seqlen_q;
     const int l2_section = !equal_tiles && 2 * pairs < int(gridDim.x)
                                ? pairs
-                               : l2_section_heads(i64(p.seqlen_k) * DP * 2 * 2 / (PACK_GQA ? 1 : group));
+                               : l2_section_heads(i64(p.seqlen_k) * DP * ELEM_BYTES * 2 / (PACK_GQA ? 1 : group));
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
@@ -281,17 +326,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
                     tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
-                tma_load_atoms<ATOMS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head, tma_batch);
+                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head,
+                                                 tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
                 const u32 free_parity = ((i / STAGES) & 1) ^ 1;  // the slot's previous tile is consumed
                 mbar_wait(&sm.k_empty[s], free_parity);
-                mbar_arrive_expect_tx(&sm.k_full[s], KV_BYTES);
-                tma_load_atoms<ATOMS>(sm.k[s], BN, &map_k, &sm.k_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                mbar_arrive_expect_tx(&sm.k_full[s], K_BYTES);
+                tma_load_atoms<ATOMS, ATOM_COLS>(sm.k[s], BN, &map_k, &sm.k_full[s], seq.k_start + n * BN, kv_head,
+                                                 tma_batch);
                 mbar_wait(&sm.v_empty[s], free_parity);
-                mbar_arrive_expect_tx(&sm.v_full[s], KV_BYTES);
-                tma_load_atoms<ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                mbar_arrive_expect_tx(&sm.v_full[s], V_BYTES);
+                if constexpr (FP8)  // V^T map (keys, d, kv_heads, batch): one box of BN keys x D rows
+                    tma_load_4d(sm.v[s], &map_v, &sm.v_full[s], n * BN, 0, kv_head, tile.batch);
+                else
+                    tma_load_atoms<ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
             }
         }
         return;
@@ -303,9 +353,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
 
-    float o[DP / 2];
-    float sc[BN / 2];      // S_n, then P_n in fp32 (accumulator layout)
-    u32 pv_a[BN / 16][4];  // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
+    float o[OD / 2];
+    float sc[BN / 2];        // S_n, then P_n in fp32 (accumulator layout)
+    u32 pv_a[PV_STEPS][4];   // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
     int i = 0, q_iter = 0;
     if (c == 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
@@ -327,12 +377,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int n_lo, n_hi;
         mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
 #pragma unroll
-        for (int j = 0; j < DP / 2; ++j) o[j] = 0.f;
+        for (int j = 0; j < OD / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
         if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
-            store_output(p, o, softmax, seq, qrow, qhead, q4, tile.batch);
+            store_output(p, o, softmax, 1.f, seq, qrow, qhead, q4, tile.batch);
             continue;
         }
+        // Logits -> log2 units for this thread's rows (FP8: times the row's Q descale, and per tile the K
+        // tile's); FP8's V descale of the tile whose units O is in.
+        const int kv_head = PACK_GQA ? tile.head : tile.head / group;
+        float row_scale[2], tile_scale[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            row_scale[r] = FP8 ? p.scale_log2 * q_descale(p, tile.batch, qhead[r], qrow[r]) : p.scale_log2;
+        auto scales_of_tile = [&](int n) {
+            const float k_scale = FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) tile_scale[r] = row_scale[r] * k_scale;
+        };
+        float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
         mbar_wait(&sm.q_full, q_iter++ & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet.
@@ -342,14 +405,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
             issue_qk(sc, q_rows, sm.k[s]);
             pass_the_turn(c);
+            scales_of_tile(n_lo);
             wgmma_wait<0>();
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
                 if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
-            softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p);
-            acc_to_a_frags<BN>(sc, pv_a);
+            softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, tile_scale);
+            pack_p(sc, pv_a);
         }
 
         for (int n = n_lo + 1; n < n_hi; ++n) {
@@ -360,6 +424,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             issue_qk(sc, q_rows, sm.k[s]);
             issue_pv(o, pv_a, sm.v[s_prev]);
             pass_the_turn(c);
+            scales_of_tile(n);
+            float v_ratio = 1.f;  // FP8: O moves from V_{n-1}'s descale units to V_n's
+            if constexpr (FP8) {
+                const float v_next = kv_descale(p.v_descale, p, tile.batch, kv_head, n);
+                v_ratio = __fdividef(v_scale, v_next);
+                v_scale = v_next;
+            }
 
             wgmma_wait<1>();  // S_n is done; P_{n-1} V_{n-1} may still run
             wgmma_fence_regs(sc);
@@ -367,7 +438,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
-            const bool rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p);
+            bool rescale =
+                softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p, tile_scale);
+            if (FP8 && v_ratio != 1.f) {
+                softmax.alpha[0] *= v_ratio;
+                softmax.alpha[1] *= v_ratio;
+                rescale = true;
+            }
             // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
             // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
             // the SASS).
@@ -380,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_fence_regs(o);
             }
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
-            acc_to_a_frags<BN>(sc, pv_a);
+            pack_p(sc, pv_a);
             ++i;
         }
 
@@ -397,10 +474,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             ++i;
         }
         if constexpr (STORE_O_TMA)
-            store_output_tma(p, &map_o, sm.o + c * (Q_BYTES / 2), o, softmax, c, t, tile.m_block * 2 + c, tile.head,
-                             tile.batch);
+            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / 2), o, softmax, v_scale, c, t, tile.m_block * 2 + c,
+                             tile.head, tile.batch);
         else
-            store_output(p, o, softmax, seq, qrow, qhead, q4, tile.batch);
+            store_output(p, o, softmax, v_scale, seq, qrow, qhead, q4, tile.batch);
     }
     if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
     if (STORE_O_TMA && t == 0) tma_store_wait_read();  // shared memory must outlive the last store's reads

@@ -14,6 +14,13 @@ struct Fa3FwdParams {
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
     float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
+    // CUFLASH_FP8 only: descale factors, contiguous fp32. Query row i of head h (batch b) uses
+    // q_descale[(b heads + h) q_descale_blocks + i / q_descale_rows]; K/V tile n of KV head hk uses
+    // k_descale / v_descale[(b kv_heads + hk) kv_descale_blocks + n / kv_descale_tiles].
+    const float* q_descale;
+    const float* k_descale;
+    const float* v_descale;
+    int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
 };
 
 struct Fa3BwdParams {

@@ -33,6 +33,7 @@
 //
 // Compile-time constants: CUFLASH_HEADDIM (64, 128, 256), CUFLASH_DTYPE (0 bf16, 1 fp16),
 // CUFLASH_HADAMARD (0 or 1). The pass, the block and the seed are run-time values.
+#include "common/fp8.cuh"
 #include "common/types.cuh"
 #include "fp8/params.cuh"
 #include "fp8/signs.cuh"
@@ -63,14 +64,6 @@ __device__ __forceinline__ void store_fp8(u8* dst, const u16 (&h)[2]) {
 }
 __device__ __forceinline__ void store_fp8(u8* dst, const u16 (&h)[4]) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(u32(h[0]) | u32(h[1]) << 16, u32(h[2]) | u32(h[3]) << 16);
-}
-
-// Two fp32 values -> two e4m3 bytes, lo in the low byte: round to nearest even, finite values beyond
-// +-448 saturate to +-448, NaN stays NaN. (PTX: the first source goes to the upper byte.)
-__device__ __forceinline__ u16 to_e4m3x2(float lo, float hi) {
-    u16 r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 // Bit e set: element E * lane + e is negated before the transform (fp8/signs.cuh).

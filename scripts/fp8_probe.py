@@ -1,0 +1,118 @@
+"""The FP8 forward (cuflash.fa3.forward_fp8) on its own, for kernel work: error against an fp32 reference on
+the dequantised e4m3 inputs, and TFLOP/s at FlashAttention benchmark shapes (16k tokens, hidden 2048) next
+to the bf16 FA3 kernel. Bypasses the public API's validation.
+
+    python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time]
+"""
+import argparse
+
+import cupy
+import numpy as np
+
+from cuflash import _validate, fa3, fp8
+from cuflash.bench import time_fn
+
+
+def e4m3_table() -> np.ndarray:
+    """float32 value of each e4m3fn byte (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f/0xff NaN)."""
+    b = np.arange(256)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    e, m = (b >> 3) & 15, b & 7
+    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
+    mag[(e == 15) & (m == 7)] = np.nan
+    return (sign * mag).astype(np.float32)
+
+
+TABLE = e4m3_table()
+
+
+def dequant(data, descale, block):
+    x = TABLE[cupy.asnumpy(data)]                       # (b, s, h, d)
+    sc = np.repeat(cupy.asnumpy(descale), block, axis=2)[:, :, : x.shape[1]]  # (b, h, s)
+    return x * sc.transpose(0, 2, 1)[..., None]
+
+
+def reference(q, k, v, causal, scale):
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    k = np.repeat(k, h // hk, axis=2)
+    v = np.repeat(v, h // hk, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        sk = k.shape[1]
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        s = np.where(j <= i + sk - sq, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p / l, v), (m + np.log(l))[..., 0]
+
+
+def run(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
+    rand = lambda *s: cupy.random.standard_normal(s, dtype=cupy.float32).astype("bfloat16")
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    q8, qs = fp8.quantize(q, block=qblock, hadamard=True, seed=1)
+    k8, ks = fp8.quantize(k, block=kvblock, hadamard=True, seed=1)
+    v8, vs = fp8.quantize(v, block=kvblock, hadamard=False)
+    qblock = min(qblock, sq) if qs.shape[2] > 1 else sq
+    kvb = kvblock if ks.shape[2] > 1 else -(-sk // 128) * 128
+    out = cupy.empty((b, sq, h, d), dtype="bfloat16")
+    out.view(cupy.uint16).fill(0x7FC0)  # NaN: every element must be written
+    lse = cupy.full((b, h, sq), cupy.nan, dtype=cupy.float32)
+    dims = _validate.Dims(b, sq, sk, h, hk, d, "bfloat16")
+    window = _validate.window_bounds((-1, -1), causal, dims)
+    scale = d ** -0.5
+    call = lambda: fa3.forward_fp8(q8, k8, v8, out, lse, qs, ks, vs, qblock, kvb, dims, window, scale,
+                                   cupy.cuda.get_current_stream())
+    return call, (q8, qs, qblock), (k8, ks, kvb), (v8, vs, kvb), out, lse, scale
+
+
+def check(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
+    call, qq, kk, vv, out, lse, scale = run(b, sq, sk, h, hk, d, causal, qblock, kvblock)
+    call()
+    cupy.cuda.runtime.deviceSynchronize()
+    ref, ref_lse = reference(dequant(*qq), dequant(*kk), dequant(*vv), causal, scale)
+    o = cupy.asnumpy(out.astype(cupy.float32))
+    err = np.abs(o - ref)
+    lse_err = np.abs(cupy.asnumpy(lse) - ref_lse)
+    print(f"check b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} qblock={qblock} kvblock={kvblock}: "
+          f"max|out-ref| {np.nanmax(err):.3e} rms {np.sqrt(np.nanmean(err ** 2)):.3e} nan {int(np.isnan(o).sum())} "
+          f"max|lse-ref| {np.nanmax(lse_err):.3e}", flush=True)
+
+
+def perf(d, n, causal, reps):
+    b, h = 16384 // n, 2048 // d
+    call, *_ = run(b, n, n, h, h, d, causal)
+    ms = time_fn(call, warmup=3, reps=reps)
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    rand = lambda *s: cupy.random.standard_normal(s, dtype=cupy.float32).astype("bfloat16")
+    q = rand(b, n, h, d)
+    import cuflash
+    ms16 = time_fn(lambda: cuflash.flash_attn_func(q, q, q, causal=causal, impl="fa3"), warmup=3, reps=reps)
+    print(f"perf d={d} N={n} causal={causal}: fp8 {flops / ms / 1e9:6.0f} TF/s ({ms * 1e3:7.1f} us) | "
+          f"bf16 fa3 {flops / ms16 / 1e9:6.0f}", flush=True)
+
+
+def main():
+    ints = lambda s: [int(x) for x in s.split(",")]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--headdims", type=ints, default=[64, 128])
+    ap.add_argument("--seqlens", type=ints, default=[2048, 8192])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-time", action="store_true")
+    args = ap.parse_args()
+    for d in args.headdims:
+        for causal in (False, True):
+            check(2, 239, 300, 4, 2, d, causal)
+            check(1, 300, 113, 4, 4, d, causal, qblock=64, kvblock=256)
+        check(2, 1, 1023, 6, 1, d, False, kvblock=None)
+        check(1, 1023, 1023, 2, 2, d, True, qblock=None, kvblock=None)
+    if not args.no_time:
+        for d in args.headdims:
+            for n in args.seqlens:
+                for causal in (False, True):
+                    perf(d, n, causal, args.reps)
+
+
+if __name__ == "__main__":
+    main()
