@@ -8,6 +8,11 @@ One run measures, on the same GPU and in the same process:
 * the peers found here: torch SDPA backends (``torch-flash``, ``torch-cudnn``, ``torch-efficient``,
   ``torch-math``), ``flash_attn``, ``flashinfer`` and the materialised ``naive`` attention.
 
+``--suite fp8`` measures the FP8 forward (``cuflash-fa3-fp8``: e4m3 inputs quantised once outside the timing by
+``cuflash.fp8.quantize``, block 128, Hadamard rotation on q and k) against the bf16 FA3 kernel and the bf16 SDPA
+backends on the same shapes, cuDNN's FP8 attention where the ``cudnn`` frontend package is importable, and an
+e4m3 matmul ceiling (``torch._scaled_mm``) measured in the same run.
+
 ``--suite decode`` measures one decoding step instead (``flash_attn_with_kvcache``, Sq = 1, 32 query / 8
 KV heads): TB/s of K/V read against the copy ceiling, GPU time from CUDA-graph replays, the host cost of
 an eager call separately (``host_us``), contiguous and paged caches (see ``DecodeCase``).
@@ -52,6 +57,10 @@ REQUIRED_KEYS = (
     "page_size", "num_splits", "host_us", "note",
 )
 
+#: Implementations whose rows carry dtype "e4m3" (their inputs are FP8; the other rows of the fp8 suite run on
+#: the --dtype inputs the FP8 ones were quantised from).
+FP8_IMPLS = ("cuflash-fa3-fp8", "cudnn-fp8")
+
 #: Keys that identify the same measurement across two runs (``--compare``).
 MATCH_KEYS = ("suite", "impl", "dtype", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "headdim", "causal",
               "page_size")
@@ -60,6 +69,15 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 #: Peers that get a "vs <peer>" column in the tables (the JSON carries the ratio to every peer).
 TABLE_RATIO_PEERS = ("torch-cudnn", "torch-flash", "flash_attn", "flashinfer", "naive")
+
+#: The fp8 suite's peers (when present), in table order; ``cuflash-fa3`` is the bf16 kernel on the same shapes.
+FP8_PEERS = ("cuflash-fa3", "cudnn-fp8", "torch-cudnn", "torch-flash")
+
+#: Rows of the sequence per descale of q, k and v in the fp8 suite (``cuflash.fp8.quantize(block=...)``).
+FP8_BLOCK = 128
+
+#: What each ceiling is called in titles and the header.
+CEILING_NAMES = {"bf16_matmul_tflops": "matmul", "fp8_matmul_tflops": "fp8 matmul", "copy_tbps": "copy"}
 
 #: Peers so slow that they are skipped above this sequence length unless ``--include-slow``.
 SLOW_PEERS = {"torch-math": 4096}
@@ -175,13 +193,21 @@ class Suite:
     metric: str                     # "tflops" (compute-bound) or "tbps" (memory-bound)
     ceiling: str                    # key of env["ceilings"] the metric is compared with
     work: Callable[[Shape], float]  # FLOPs (or bytes) of one call
+    ratio_peers: tuple = TABLE_RATIO_PEERS  # peers with a "vs" column in the tables (when in the run), in order
+    cuflash_peers: tuple = ()       # cuflash rows that are also peers of the other cuflash rows (fp8: the bf16 FA3)
+
+
+def _fwd_flops(s: Shape) -> float:
+    return flops_attention(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.headdim, s.causal, "fwd")
 
 
 SUITES = {
-    "prefill": Suite("prefill", "fwd", "tflops", "bf16_matmul_tflops",
-                     lambda s: flops_attention(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.headdim, s.causal, "fwd")),
+    "prefill": Suite("prefill", "fwd", "tflops", "bf16_matmul_tflops", _fwd_flops),
     "backward": Suite("backward", "bwd", "tflops", "bf16_matmul_tflops",
                       lambda s: flops_attention(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.headdim, s.causal, "bwd")),
+    # FLOPs counted as for prefill (the same two GEMMs, whatever their precision), against the e4m3 GEMM's rate
+    "fp8": Suite("fp8", "fwd", "tflops", "fp8_matmul_tflops", _fwd_flops, ratio_peers=FP8_PEERS,
+                 cuflash_peers=("cuflash-fa3",)),
     "decode": Suite("decode", "decode", "tbps", "copy_tbps", lambda s: decode_bytes(s)),
 }
 
@@ -246,17 +272,31 @@ class Case:
 
     def max_err(self, outs) -> float:
         """Max |impl - ref| over the slice (fwd: out; bwd: max over dq, dk, dv)."""
-        import cupy
-
         slicers = (self.slice_q,) if self.mode == "fwd" else (self.slice_q, self.slice_kv, self.slice_kv)
         err = 0.0
         for ref, out, cut in zip(self.reference(), outs, slicers):
-            got = cut(_to_cupy(out)).astype(cupy.float32)
-            this = float(cupy.max(cupy.abs(got - ref.astype(cupy.float32))))
+            this = max_abs_diff(cut(_to_cupy(out)), ref)
             if not math.isfinite(this):  # max() would silently drop a NaN
                 return this
             err = max(err, this)
         return err
+
+
+def max_abs_diff(got, ref) -> float:
+    """max |got - ref| in float32 (NaN when either has one); NumPy or CuPy arrays, both of one kind."""
+    xp = _array_module(got)
+    diff = xp.abs(got.astype(xp.float32) - ref.astype(xp.float32))
+    return float(xp.max(diff)) if diff.size else 0.0
+
+
+def _array_module(x):
+    import numpy
+
+    if isinstance(x, numpy.ndarray):
+        return numpy
+    import cupy
+
+    return cupy
 
 
 class DecodeCase(Case):
@@ -299,6 +339,73 @@ class DecodeCase(Case):
         return out[0], out[1], perm.reshape(s.batch, per_entry)
 
 
+class Fp8Inputs(NamedTuple):
+    """FP8 attention inputs: e4m3 bit patterns (uint8, (batch, seqlen, heads, d)) and fp32 descales (batch,
+    heads, ceil(seqlen / block)), or (batch, heads, 1) for one scale per head: row r of head h holds
+    e4m3(data) * descale[b, h, r // block]."""
+    q: object
+    k: object
+    v: object
+    q_descale: object
+    k_descale: object
+    v_descale: object
+    block: int
+
+
+class Fp8Case(Case):
+    """One shape of the fp8 suite: the bf16 (--dtype) inputs of ``Case``, on which the bf16 peers run, and
+    their FP8 form, made once on demand outside any timing (``fp8_inputs``): ``cuflash.fp8.quantize`` with
+    one descale per FP8_BLOCK rows, q and k rotated by the same randomised Hadamard transform (QK^T is
+    unchanged), v not rotated (so the output needs no un-rotation).
+
+    FP8 rows are checked by ``fp8_max_err``: against the exact fp32 attention of their own dequantised
+    inputs on the usual slice (batch 0, the first heads), so the column shows the kernel's error (P rounded
+    to e4m3, accumulation) and not the inputs' quantisation error, which the accuracy tests measure."""
+
+    def __init__(self, shape: Shape, dtype: str, mode: str = "fwd", seed: int = 0):
+        if mode != "fwd":
+            raise ValueError("the fp8 suite measures the forward pass only")
+        super().__init__(shape, dtype, mode, seed)
+        self.seed = seed
+        self._fp8 = None
+
+    def fp8_inputs(self) -> Fp8Inputs:
+        if self._fp8 is None:
+            from .fp8 import quantize
+
+            q8, qs = quantize(self.q, block=FP8_BLOCK, hadamard=True, seed=self.seed)
+            k8, ks = quantize(self.k, block=FP8_BLOCK, hadamard=True, seed=self.seed)
+            v8, vs = quantize(self.v, block=FP8_BLOCK, hadamard=False)
+            self._fp8 = Fp8Inputs(q8, k8, v8, qs, ks, vs, FP8_BLOCK)
+        return self._fp8
+
+    def fp8_max_err(self, outs, inputs: Fp8Inputs) -> float:
+        return fp8_max_err(outs[0], inputs, self.q_slice, self.kv_slice, causal=self.shape.causal,
+                           softmax_scale=self.scale)
+
+
+def fp8_max_err(out, inputs: Fp8Inputs, q_heads: int, kv_heads: int, *, causal: bool, softmax_scale: float) -> float:
+    """Max |out - ref| over batch 0 and the first ``q_heads`` query heads, ref the exact fp32 attention of
+    ``inputs`` dequantised (``reference.attention_fp8_ref``, on their first ``kv_heads`` KV heads). q and k
+    may be rotated alike (Hadamard): QK^T does not change, so neither does ref. NumPy arrays stay on the
+    host; anything else goes through CuPy (DLPack)."""
+    from .reference import attention_fp8_ref
+
+    cut = lambda x, heads: _as_array(x)[0:1, :, :heads]  # noqa: E731 - (batch 0, all rows, first heads)
+    cut_descale = lambda x, heads: _as_array(x)[0:1, :heads]  # noqa: E731
+    ref = attention_fp8_ref(cut(inputs.q, q_heads), cut(inputs.k, kv_heads), cut(inputs.v, kv_heads),
+                            cut_descale(inputs.q_descale, q_heads), cut_descale(inputs.k_descale, kv_heads),
+                            cut_descale(inputs.v_descale, kv_heads), descale_block=(inputs.block, inputs.block),
+                            causal=causal, softmax_scale=softmax_scale, compute_dtype="float32")[0]
+    return max_abs_diff(cut(out, q_heads), ref)
+
+
+def _as_array(x):
+    import numpy
+
+    return x if isinstance(x, numpy.ndarray) else _to_cupy(x)
+
+
 # ----------------------------------------------------------------------------------------------------
 # implementations: name -> factory(case) -> Timed (a zero-arg fn to time, returning its outputs)
 # ----------------------------------------------------------------------------------------------------
@@ -306,6 +413,8 @@ class DecodeCase(Case):
 class Timed(NamedTuple):
     fn: Callable[[], tuple]                 # returns (out,) for fwd, (dq, dk, dv) for bwd, layout (B, S, H, D)
     before: Callable[[], None] | None = None  # untimed per-call preparation
+    max_err: Callable[[tuple], float] | None = None  # checks fn's outputs when Case.max_err does not apply (fp8)
+    note: str | None = None                 # goes to the row (how this implementation was fed or checked)
 
 
 def _cuflash_factory(impl: str):
@@ -413,6 +522,87 @@ def _flashinfer(case: Case) -> Timed:
     return Timed(lambda: (wrapper.run(q, k, v).view(shape),))
 
 
+def _fp8_case(case: Case, impl: str) -> Fp8Case:
+    if not isinstance(case, Fp8Case):
+        raise ValueError(f"{impl} has FP8 inputs: it runs in the fp8 suite only (--suite fp8)")
+    return case
+
+
+def _cuflash_fp8(case: Case) -> Timed:
+    """flash_attn_func on the case's e4m3 inputs (quantised before, untimed); the V transpose that FP8 wgmma
+    needs runs inside the call, so its cost is in the timing. Output bf16."""
+    from .api import flash_attn_func
+
+    case = _fp8_case(case, "cuflash-fa3-fp8")
+    x = case.fp8_inputs()
+    kw = dict(q_descale=x.q_descale, k_descale=x.k_descale, v_descale=x.v_descale, fp8_format="e4m3",
+              descale_block=(x.block, x.block), causal=case.shape.causal, softmax_scale=case.scale)
+    return Timed(lambda: (flash_attn_func(x.q, x.k, x.v, **kw),), max_err=lambda outs: case.fp8_max_err(outs, x))
+
+
+#: cuDNN's FP8 attention: P is scaled by this before its e4m3 cast (P <= 1, so 448 uses the whole range).
+CUDNN_FP8_SCALE_S = 448.0
+
+
+def _cudnn_fp8(case: Case) -> Timed:
+    """cuDNN's FP8 attention forward (``graph.sdpa_fp8`` of the cudnn frontend package, nvidia-cudnn-frontend)
+    with its own scaling: one descale per tensor (amax / 448, inputs quantised by torch before, untimed), P
+    scaled by 448 before its e4m3 cast, output e4m3 (cuDNN's FP8 forward writes e4m3 on Hopper) with scale 1
+    (|out| <= max |v| stays far below 448). Same (B, S, H, D) memory as cuflash, described as (B, H, S, D)."""
+    case = _fp8_case(case, "cudnn-fp8")
+    import cudnn
+    import torch
+
+    s = case.shape
+    dev = torch.device("cuda", torch.cuda.current_device())
+    scalar = lambda value: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=dev)  # noqa: E731
+
+    def quantise(t):
+        descale = (t.abs().amax().float() / 448.0).clamp_min(1e-30).reshape(1, 1, 1, 1)
+        return (t.float() / descale).to(torch.float8_e4m3fn), descale
+
+    (q8, qd), (k8, kd), (v8, vd) = (quantise(t) for t in _torch_inputs(case, requires_grad=False))
+    out = torch.empty_like(q8)
+    amax_s, amax_o = scalar(0.0), scalar(0.0)
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    dims = (s.batch, s.heads, s.seqlen_q, s.headdim)
+    strides = (s.seqlen_q * s.heads * s.headdim, s.headdim, s.heads * s.headdim, 1)
+    tq, tk, tv = (graph.tensor(name=n, dim=dims, stride=strides, data_type=e4m3) for n in ("q", "k", "v"))
+    names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+    scale_t = {n: graph.tensor(name=n, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=f32) for n in names}
+    kw = dict(q=tq, k=tk, v=tv, attn_scale=case.scale, use_causal_mask=s.causal, name="sdpa_fp8", **scale_t)
+    try:
+        o_t, _, amax_s_t, amax_o_t = graph.sdpa_fp8(generate_stats=False, **kw)
+    except TypeError:  # older frontends: is_inference instead of generate_stats
+        o_t, _, amax_s_t, amax_o_t = graph.sdpa_fp8(is_inference=True, **kw)
+    o_t.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+    for t in (amax_s_t, amax_o_t):
+        t.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(f32)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans()
+    workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=dev)
+    values = dict(descale_q=qd, descale_k=kd, descale_v=vd, descale_s=scalar(1.0 / CUDNN_FP8_SCALE_S),
+                  scale_s=scalar(CUDNN_FP8_SCALE_S), scale_o=scalar(1.0))
+    pack = {tq: q8, tk: k8, tv: v8, o_t: out, amax_s_t: amax_s, amax_o_t: amax_o,
+            **{scale_t[n]: values[n] for n in names}}
+
+    def fn():
+        graph.execute(pack, workspace, handle=handle)
+        return (out,)
+
+    inputs = Fp8Inputs(*(t.view(torch.uint8) for t in (q8, k8, v8)),
+                       *(d.reshape(1, 1, 1).expand(s.batch, s.heads, 1).contiguous() for d in (qd, kd, vd)),
+                       block=FP8_BLOCK)  # one descale per (batch, head): n == 1, whatever the block
+    return Timed(fn, max_err=lambda outs: case.fp8_max_err((outs[0].float(),), inputs),
+                 note="per-tensor scales (cuDNN's), e4m3 output")
+
+
 PEERS: dict[str, Callable[[Case], Timed]] = {
     "torch-flash": _sdpa_factory("FLASH_ATTENTION"),
     "torch-cudnn": _sdpa_factory("CUDNN_ATTENTION"),
@@ -421,10 +611,16 @@ PEERS: dict[str, Callable[[Case], Timed]] = {
     "flash_attn": _flash_attn,
     "flashinfer": _flashinfer,
     "naive": _naive,
+    "cudnn-fp8": _cudnn_fp8,
 }
+
+#: cuflash rows that are not ``flash_attn_func(..., impl=<name>)`` on the case's inputs.
+CUFLASH_FACTORIES: dict[str, Callable[[Case], Timed]] = {"cuflash-fa3-fp8": _cuflash_fp8}
 
 
 def factory_for(name: str) -> Callable[[Case], Timed]:
+    if name in CUFLASH_FACTORIES:
+        return CUFLASH_FACTORIES[name]
     if name.startswith("cuflash-"):
         return _cuflash_factory(name[len("cuflash-"):])
     if name in PEERS:
@@ -455,12 +651,41 @@ def detect_peers() -> list[str]:
     return peers + ["naive"]
 
 
+def fp8_peers() -> tuple[list[str], dict[str, str]]:
+    """(the fp8 suite's peers usable here in table order, {peer left out: why})."""
+    from .api import available_impls
+
+    found, missing = [], {}
+    torch_peers = [p for p in detect_peers() if p.startswith("torch-")]
+    for peer in FP8_PEERS:
+        if peer == "cuflash-fa3":
+            ok, why = "fa3" in available_impls(), "the FA3 kernel does not run on this GPU"
+        elif peer == "cudnn-fp8":
+            ok = bool(torch_peers) and _importable("cudnn") and hasattr(sys.modules["cudnn"], "pygraph")
+            why = ("the cudnn Python package (nvidia-cudnn-frontend) is not importable here" if torch_peers
+                   else "it needs torch with CUDA, not importable here")
+        else:
+            ok, why = peer in torch_peers, "torch with CUDA is not importable here"
+        if ok:
+            found.append(peer)
+        else:
+            missing[peer] = why
+    return found, missing
+
+
 def default_impls(suite: str = "prefill") -> list[str]:
     if suite == "decode":
         return ["cuflash-decode"] + [p for p in DECODE_PEERS if p in detect_peers()]
+    if suite == "fp8":
+        return ["cuflash-fa3-fp8"] + fp8_peers()[0]
     from .api import available_impls
 
     return [f"cuflash-{impl}" for impl in available_impls()] + detect_peers()
+
+
+def row_dtype(impl: str, dtype: str) -> str:
+    """The dtype a row reports: "e4m3" for the FP8 implementations, else the inputs' --dtype."""
+    return "e4m3" if impl in FP8_IMPLS else dtype
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -738,16 +963,18 @@ def _budgeted_reps(timed: Timed, cfg) -> tuple[int, int]:
 def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
     """Time one implementation on one case; failures become a row with ``ms: null`` and an ``error``."""
     shape = case.shape
+    dtype = row_dtype(impl, cfg.dtype)
     limit = SLOW_PEERS.get(impl)
     if limit is not None and shape.seqlen_q > limit and not cfg.include_slow:
-        return make_row(suite, impl, shape, cfg.dtype, error="skipped: too slow", env=env)
-    ms = max_err = extra = error = reps = None
+        return make_row(suite, impl, shape, dtype, error="skipped: too slow", env=env)
+    ms = max_err = extra = error = reps = note = None
     timed = outs = None
     try:
         timed = factory_for(impl)(case)
+        note = timed.note
         extra, outs = measure_extra_memory(timed)  # also the first call: compiles, fills caches
         try:
-            max_err = case.max_err(outs)
+            max_err = (timed.max_err or case.max_err)(outs)
         except Exception as exc:  # the reference failing is not the implementation's fault
             if _is_oom(exc):
                 free_memory()
@@ -767,8 +994,8 @@ def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
     if max_err is not None and not math.isfinite(max_err):
         max_err = None
         error = error or "output has NaN or inf"
-    return make_row(suite, impl, shape, cfg.dtype, ms=ms, max_err=max_err, error=error,
-                    extra_mem_bytes=extra, env=env, reps=reps)
+    return make_row(suite, impl, shape, dtype, ms=ms, max_err=max_err, error=error,
+                    extra_mem_bytes=extra, env=env, reps=reps, note=note)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -933,12 +1160,14 @@ def measure_decode(suite: Suite, case: DecodeCase, impl: str, page_size: int, cf
                     env=env, reps=cfg.reps if ms is not None else None, num_splits=splits, host_us=host_us, note=note)
 
 
-def add_speedups(rows: list[dict]) -> None:
-    """On the cuflash rows of one shape: speed-up over each peer that ran (peer ms / cuflash ms)."""
-    peers = {r["impl"]: r["ms"] for r in rows if not r["impl"].startswith("cuflash-") and r["ms"]}
+def add_speedups(rows: list[dict], cuflash_peers=()) -> None:
+    """On the cuflash rows of one shape: speed-up over each peer that ran (peer ms / cuflash ms). Peers are
+    the other implementations and the cuflash rows named in ``cuflash_peers`` (never a row over itself)."""
+    peers = {r["impl"]: r["ms"] for r in rows
+             if (not r["impl"].startswith("cuflash-") or r["impl"] in cuflash_peers) and r["ms"]}
     for row in rows:
         if row["impl"].startswith("cuflash-") and row["ms"]:
-            row["speedup_vs"] = {name: peer_ms / row["ms"] for name, peer_ms in peers.items()}
+            row["speedup_vs"] = {name: peer_ms / row["ms"] for name, peer_ms in peers.items() if name != row["impl"]}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1017,6 +1246,7 @@ def collect_env() -> dict:
         "cudnn": None,
         "flash_attn": _module_version("flash_attn"),
         "flashinfer": _module_version("flashinfer"),
+        "cudnn_frontend": _module_version("cudnn"),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     torch = sys.modules.get("torch")
@@ -1070,6 +1300,46 @@ def measure_ceilings(warmup=3, reps=10) -> dict:
     return ceilings
 
 
+def measure_fp8_ceiling(warmup=3, reps=10) -> dict:
+    """The fp8 suite's roof, measured now on this GPU: an e4m3 x e4m3 -> bf16 GEMM 8192^3 through
+    ``torch._scaled_mm`` (cuBLASLt), unit scales, the second operand column-major (the transpose of a
+    row-major (N, K) tensor), as FP8 wgmma wants. ``fp8_matmul_tflops`` uses cuBLAS's fast accumulation
+    (the tensor cores' own, as an FP8 attention kernel accumulates); ``fp8_matmul_promoted_tflops`` the
+    slower mode that promotes partial sums to fp32 now and then. None with ``fp8_matmul_error`` where torch,
+    its FP8 types or an sm_89+ GPU are missing."""
+    out = {"fp8_matmul_tflops": None, "fp8_matmul_promoted_tflops": None, "fp8_matmul_via": None}
+    if not _importable("torch"):
+        out["fp8_matmul_error"] = "torch is not importable: no FP8 GEMM to measure the ceiling with"
+        return out
+    import torch
+
+    n = 8192
+    a = bt = None
+    try:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"torch {torch.__version__} sees no CUDA device")
+        if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+            raise RuntimeError(f"torch {torch.__version__} has no _scaled_mm / float8_e4m3fn")
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            raise RuntimeError(f"FP8 GEMMs need sm_89 or newer; this GPU is sm_{major}{minor}")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        a, bt = (torch.randn(n, n, device="cuda", generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+        one = torch.ones((), dtype=torch.float32, device="cuda")
+        for key, fast in (("fp8_matmul_tflops", True), ("fp8_matmul_promoted_tflops", False)):
+            def mm(fast=fast):
+                return torch._scaled_mm(a, bt.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            ms = time_fn(mm, warmup, reps)
+            out[key] = 2.0 * n ** 3 / (ms * 1e-3) / 1e12
+        out["fp8_matmul_via"] = "torch._scaled_mm"
+    except Exception as exc:
+        out["fp8_matmul_error"] = _error_text(exc)
+    a = bt = None
+    free_memory()
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # rendering
 # ----------------------------------------------------------------------------------------------------
@@ -1095,18 +1365,27 @@ def render_header(env: dict, suite: Suite, cfg):
     grid.add_column(style="bold")
     grid.add_column()
     ceil = env.get("ceilings", {})
-    peers = ", ".join(f"{k} {env[k]}" for k in ("torch", "cudnn", "flash_attn", "flashinfer") if env.get(k))
-    for key, value in (
+    peers = ", ".join(f"{k} {env[k]}" for k in ("torch", "cudnn", "cudnn_frontend", "flash_attn", "flashinfer")
+                      if env.get(k))
+    ceilings = (f"bf16 matmul 8192³ {_fmt(ceil.get('bf16_matmul_tflops'), '.0f')} TFLOP/s "
+                f"({ceil.get('matmul_via') or ceil.get('matmul_error', '?')}); "
+                f"D2D copy {_fmt(ceil.get('copy_tbps'), '.2f')} TB/s (read + write)")
+    if "fp8_matmul_tflops" in ceil:
+        ceilings += (f"; e4m3 matmul 8192³ {_fmt(ceil['fp8_matmul_tflops'], '.0f')} TFLOP/s "
+                     f"({ceil.get('fp8_matmul_via') or ceil.get('fp8_matmul_error', '?')}; fast accumulation, "
+                     f"{_fmt(ceil.get('fp8_matmul_promoted_tflops'), '.0f')} promoted)")
+    rows = [
         ("GPU", f"{env['gpu']} (sm_{env['compute_capability'].replace('.', '')}, {env['sms']} SMs)"),
         ("driver / CUDA", f"{env['driver'] or '?'} / driver API {env['cuda_driver_api']}, "
                           f"runtime {env['cuda_runtime']}, NVRTC {env['nvrtc']}"),
         ("cuflash / CuPy", f"{env['cuflash']} / {env['cupy']}"),
         ("peers", peers or "none importable (only naive)"),
-        ("ceilings", f"bf16 matmul 8192³ {_fmt(ceil.get('bf16_matmul_tflops'), '.0f')} TFLOP/s "
-                     f"({ceil.get('matmul_via') or ceil.get('matmul_error', '?')}); "
-                     f"D2D copy {_fmt(ceil.get('copy_tbps'), '.2f')} TB/s (read + write)"),
+        ("ceilings", ceilings),
         ("suite", _suite_line(suite, cfg)),
-    ):
+    ]
+    for peer, why in (env.get("skipped_peers") or {}).items():
+        rows.append(("skipped", f"{peer}: {why}"))
+    for key, value in rows:
         grid.add_row(key, value)
     return Panel(grid, title="cuflash bench", expand=False)
 
@@ -1117,6 +1396,12 @@ def _suite_line(suite: Suite, cfg) -> str:
         return (f"decode (flash_attn_with_kvcache, Sq = 1, {DECODE_HEADS} query / {DECODE_KV_HEADS} KV heads), "
                 f"{cfg.dtype}, batch×cache {shapes}; cuflash also paged (pages {', '.join(map(str, cfg.page_sizes))}, "
                 f"random order); ms: median of {cfg.reps} CUDA-graph replays after {cfg.warmup}; host µs: eager calls")
+    if suite.name == "fp8":
+        return (f"fp8 (forward): cuflash-fa3-fp8 on e4m3 inputs quantised once, untimed (cuflash.fp8.quantize from "
+                f"the {cfg.dtype} inputs, block {FP8_BLOCK}, Hadamard rotation on q and k), the V transpose inside "
+                f"the timed call; peers on the {cfg.dtype} inputs; max err of e4m3 rows against exact attention of "
+                f"their dequantised inputs; {cfg.total_tokens} tokens, hidden {cfg.hidden}, "
+                f"median of {cfg.reps} after {cfg.warmup} warm-up")
     return (f"{suite.name} ({'forward' if suite.mode == 'fwd' else 'backward only'}), {cfg.dtype}, "
             f"{cfg.total_tokens} tokens, hidden {cfg.hidden}, median of {cfg.reps} after {cfg.warmup} warm-up")
 
@@ -1239,7 +1524,8 @@ def _impl_list(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=sorted(SUITES), default="prefill",
                         help="prefill: forward pass; backward: the backward pass alone; decode: one decoding step "
-                             "over a KV cache (flash_attn_with_kvcache) (default: prefill)")
+                             "over a KV cache (flash_attn_with_kvcache); fp8: the FP8 (e4m3) forward against the "
+                             "bf16 kernels and an e4m3 matmul ceiling (sm_90) (default: prefill)")
     parser.add_argument("--impls", type=_impl_list, default=None,
                         help="comma list, e.g. cuflash-fa1,torch-cudnn,naive (default: every cuflash "
                              "implementation usable on this GPU plus every peer found)")
@@ -1247,7 +1533,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqlens", type=_int_list, default=None,
                         help="comma list (default: 512,1024,2048,4096,8192,16384)")
     parser.add_argument("--causal", choices=("both", "true", "false"), default="both")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                        help="inputs (fp8 suite: of the peers, and what the e4m3 inputs are quantised from)")
     parser.add_argument("--total-tokens", type=int, default=None,
                         help="tokens per batch: batch = total // seqlen (default: 16384)")
     parser.add_argument("--hidden", type=int, default=None, help="model width: heads = hidden // headdim (default: 2048)")
@@ -1306,11 +1593,12 @@ class _Sweep:
         self.suite, self.cfg, self.impls, self.env, self.old_rows = suite, cfg, impls, env, old_rows
         self.progress, self.task = progress, task
         self.context_lost = None
-        self.ratio_peers = [p for p in TABLE_RATIO_PEERS if p in impls]
+        self.ratio_peers = [p for p in suite.ratio_peers if p in impls]
 
     def shape_rows(self, shape: Shape) -> list[dict]:
         suite, cfg = self.suite, self.cfg
-        case = Case(shape, cfg.dtype, suite.mode, cfg.seed) if self.context_lost is None else None
+        case_type = Fp8Case if suite.name == "fp8" else Case
+        case = case_type(shape, cfg.dtype, suite.mode, cfg.seed) if self.context_lost is None else None
         rows = []
         for impl in self.impls:
             self.progress.update(self.task, description=f"{suite.name} d={shape.headdim} "
@@ -1324,7 +1612,7 @@ class _Sweep:
         """``measure_row()``, or a "skipped" row once a kernel fault has killed the CUDA context; a fatal
         error in the measured row marks the context lost for every later one."""
         if self.context_lost is not None:
-            return make_row(self.suite, impl, shape, self.cfg.dtype, env=self.env,
+            return make_row(self.suite, impl, shape, row_dtype(impl, self.cfg.dtype), env=self.env,
                             error=f"skipped: CUDA context lost after {self.context_lost}")
         row = measure_row()
         if _is_fatal(row["error"]):
@@ -1335,7 +1623,7 @@ class _Sweep:
         """Frees the shape's memory (while the context lives) and adds the speed-ups over the peers."""
         if self.context_lost is None:
             free_memory()
-        add_speedups(rows)
+        add_speedups(rows, self.suite.cuflash_peers)
         return rows
 
     def group(self, headdim: int, causal: bool):
@@ -1346,9 +1634,10 @@ class _Sweep:
             rows += self.shape_rows(shape)
         if self.old_rows is not None:
             add_deltas(rows, self.old_rows)
-        unit, roof = ("TFLOP/s", "matmul") if suite.metric == "tflops" else ("TB/s", "copy")
-        title = (f"{suite.name} · d={headdim} · {'causal' if causal else 'non-causal'} · {cfg.dtype} · "
-                 f"{unit}, % of the {roof} ceiling")
+        unit = "TFLOP/s" if suite.metric == "tflops" else "TB/s"
+        dtype = f"e4m3, peers {cfg.dtype}" if suite.name == "fp8" else cfg.dtype
+        title = (f"{suite.name} · d={headdim} · {'causal' if causal else 'non-causal'} · {dtype} · "
+                 f"{unit}, % of the {CEILING_NAMES[suite.ceiling]} ceiling")
         return rows, render_table(suite, rows, title, self.ratio_peers)
 
     # decode suite: one table per head dim, rows per (batch, cache length): cuflash on the contiguous cache
@@ -1395,10 +1684,24 @@ class _Sweep:
         return rows, render_table(self.suite, rows, title, self.ratio_peers)
 
 
+def fp8_gpu_problem() -> str | None:
+    """Why the fp8 suite cannot run on this GPU (None when it can): its kernel is sm_90a code."""
+    major, minor = compute_capability()
+    if (major, minor) < (9, 0):
+        return (f"The fp8 suite needs a Hopper GPU (sm_90: the FP8 attention kernel uses FP8 wgmma); this GPU is "
+                f"sm_{major}{minor}. Nothing measured.")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if not has_gpu():
         print(OFFLINE_SENTENCE)
         return _offline_check("sm_90a")
+    if getattr(args, "suite", None) == "fp8":
+        problem = fp8_gpu_problem()
+        if problem is not None:
+            print(problem)
+            return 2
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -1418,8 +1721,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     env = collect_env()
-    with console.status("measuring the ceilings (bf16 matmul, D2D copy)"):
+    fp8 = suite.name == "fp8"
+    with console.status(f"measuring the ceilings (bf16 matmul, D2D copy{', e4m3 matmul' if fp8 else ''})"):
         env["ceilings"] = measure_ceilings()
+        if fp8:
+            env["ceilings"].update(measure_fp8_ceiling())
+    if fp8:
+        env["skipped_peers"] = {peer: why for peer, why in fp8_peers()[1].items() if peer not in impls}
     renderables = [render_header(env, suite, cfg)]
     console.print(renderables[0])
 

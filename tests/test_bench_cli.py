@@ -561,3 +561,261 @@ def test_module_entry_point_defaults_to_bench(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["cuflash"])
     assert cli.main([]) == 0
     assert capsys.readouterr().out.strip() == bench.OFFLINE_SENTENCE
+
+
+# ---------------------------------------------------------------------------------------------------
+# the fp8 suite without a GPU (quantisation, factories and timing replaced)
+# ---------------------------------------------------------------------------------------------------
+
+FP8_ENV = dict(ENV, ceilings=dict(ENV["ceilings"], fp8_matmul_tflops=1250.0))
+
+
+def test_fp8_suite_registered_with_prefill_shapes():
+    suite = bench.SUITES["fp8"]
+    assert (suite.mode, suite.metric, suite.ceiling) == ("fwd", "tflops", "fp8_matmul_tflops")
+    assert suite.ratio_peers[0] == "cuflash-fa3" and suite.cuflash_peers == ("cuflash-fa3",)
+    assert {"cudnn-fp8", "torch-cudnn", "torch-flash"} <= set(suite.ratio_peers)
+    c, p = cfg("--suite", "fp8"), cfg()
+    assert (c.headdims, c.seqlens, c.causals, c.total_tokens, c.hidden) == (
+        p.headdims, p.seqlens, p.causals, p.total_tokens, p.hidden)
+    assert c.headdims == [64, 128, 256] and {8192, 16384} <= set(c.seqlens) and c.causals == [False, True]
+    assert c.dtype == "bf16" and c.decode_shapes is None
+    q = cfg("--suite", "fp8", "--quick")
+    assert q.seqlens == cfg("--quick").seqlens and q.reps <= 5
+    c = cfg("--suite", "fp8", "--headdims", "128,256", "--seqlens", "8192,16384", "--causal", "false")
+    assert (c.headdims, c.seqlens, c.causals) == ([128, 256], [8192, 16384], [False])
+    shapes = bench.attention_shapes(256, True, c.seqlens, c.total_tokens, c.hidden)
+    assert [(s.batch, s.heads, s.seqlen_q) for s in shapes] == [(2, 8, 8192), (1, 8, 16384)]
+
+
+def test_fp8_flops_counted_like_prefill():
+    s = shape(n=8192, d=128)
+    work = bench.SUITES["fp8"].work
+    assert work(s) == bench.SUITES["prefill"].work(s) == 4 * 2 * 16 * 8192 * 8192 * 128
+    assert work(shape(n=8192, d=128, causal=True)) == work(s) / 2
+
+
+def test_fp8_impl_names():
+    c = cfg("--suite", "fp8", "--impls", "fa3-fp8,fa3,cudnn-fp8,torch-cudnn")
+    assert c.impls == ["cuflash-fa3-fp8", "cuflash-fa3", "cudnn-fp8", "torch-cudnn"]
+    assert bench.factory_for("cuflash-fa3-fp8") is bench._cuflash_fp8
+    assert bench.factory_for("cudnn-fp8") is bench._cudnn_fp8
+    assert bench.row_dtype("cuflash-fa3-fp8", "bf16") == bench.row_dtype("cudnn-fp8", "fp16") == "e4m3"
+    assert bench.row_dtype("cuflash-fa3", "bf16") == "bf16"
+    for impl in ("cuflash-fa3-fp8", "cudnn-fp8"):  # FP8 inputs exist only in an Fp8Case
+        with pytest.raises(ValueError, match="--suite fp8"):
+            bench.factory_for(impl)(FakeCase(shape()))
+
+
+def test_fp8_default_impls(monkeypatch):
+    import cuflash.api
+
+    monkeypatch.setattr(cuflash.api, "available_impls", lambda direction=None: ["fa1", "fa2", "fa3"])
+    monkeypatch.setattr(bench, "detect_peers", lambda: ["torch-flash", "torch-cudnn", "torch-math", "naive"])
+    monkeypatch.setattr(bench, "_importable", lambda module: False)  # no cudnn frontend
+    found, missing = bench.fp8_peers()
+    assert found == ["cuflash-fa3", "torch-cudnn", "torch-flash"]
+    assert set(missing) == {"cudnn-fp8"} and "nvidia-cudnn-frontend" in missing["cudnn-fp8"]
+    assert bench.default_impls("fp8") == ["cuflash-fa3-fp8", "cuflash-fa3", "torch-cudnn", "torch-flash"]
+    # no torch, no FA3 on this GPU: the FP8 kernel alone, every peer left out with its reason
+    monkeypatch.setattr(cuflash.api, "available_impls", lambda direction=None: ["fa1"])
+    monkeypatch.setattr(bench, "detect_peers", lambda: ["naive"])
+    found, missing = bench.fp8_peers()
+    assert found == [] and set(missing) == set(bench.FP8_PEERS)
+    assert "torch" in missing["cudnn-fp8"] and "torch" in missing["torch-flash"]
+    assert bench.default_impls("fp8") == ["cuflash-fa3-fp8"]
+
+
+def test_fp8_rows_against_the_fp8_ceiling():
+    suite, s = bench.SUITES["fp8"], shape(n=8192, d=128, causal=True)
+    row = bench.make_row(suite, "cuflash-fa3-fp8", s, "e4m3", ms=1.0, max_err=1e-2, env=FP8_ENV)
+    assert set(bench.REQUIRED_KEYS) <= set(row)
+    assert row["suite"] == "fp8" and row["dtype"] == "e4m3" and row["causal"]
+    flops = 4 * s.batch * s.heads * 8192 * 8192 * 128 / 2
+    assert row["tflops"] == pytest.approx(flops / 1e-3 / 1e12)
+    assert row["pct_of_ceiling"] == pytest.approx(100 * row["tflops"] / 1250.0)  # not the bf16 ceiling
+    assert json.loads(json.dumps(row)) == row
+    # without an fp8 ceiling (no torch), no percentage
+    assert bench.make_row(suite, "cuflash-fa3-fp8", s, "e4m3", ms=1.0, env=ENV)["pct_of_ceiling"] is None
+
+
+def test_fp8_speedups_include_the_bf16_kernel():
+    suite, s = bench.SUITES["fp8"], shape(n=8192)
+    mk = lambda impl, **kw: bench.make_row(suite, impl, s, bench.row_dtype(impl, "bf16"), env=FP8_ENV, **kw)  # noqa: E731
+    rows = [mk("cuflash-fa3-fp8", ms=1.0), mk("cuflash-fa3", ms=1.8), mk("cudnn-fp8", ms=1.1),
+            mk("torch-cudnn", ms=2.0), mk("torch-flash", error="RuntimeError: no kernel")]
+    bench.add_speedups(rows, suite.cuflash_peers)
+    assert rows[0]["speedup_vs"] == pytest.approx({"cuflash-fa3": 1.8, "cudnn-fp8": 1.1, "torch-cudnn": 2.0})
+    assert rows[1]["speedup_vs"] == pytest.approx({"cudnn-fp8": 1.1 / 1.8, "torch-cudnn": 2.0 / 1.8})
+    assert all(r["speedup_vs"] == {} for r in rows[2:])
+    # the other suites: a cuflash row is never a peer
+    rows = [mk("cuflash-fa3-fp8", ms=1.0), mk("cuflash-fa3", ms=1.8)]
+    bench.add_speedups(rows)
+    assert rows[0]["speedup_vs"] == {} and rows[1]["speedup_vs"] == {}
+
+
+def test_fp8_max_err_against_the_dequantised_inputs():
+    """The check of FP8 rows: exact attention of the dequantised inputs, q and k rotated alike (no un-rotation
+    needed); the kernel's own error is what shows, not the inputs' quantisation error."""
+    import numpy as np
+
+    from cuflash import reference
+
+    rng = np.random.default_rng(1)
+    b, n, h, d = 2, 256, 4, 64
+    q, k, v = (rng.standard_normal((b, n, h, d)).astype(np.float32) for _ in range(3))
+    (q8, qs), (k8, ks), (v8, vs) = (reference.fp8_quantize(q, 128, True, 7), reference.fp8_quantize(k, 128, True, 7),
+                                    reference.fp8_quantize(v, 128, False))
+    inputs = bench.Fp8Inputs(q8, k8, v8, qs, ks, vs, 128)
+    deq = [reference.fp8_dequantize(q8, qs, 128, True, 7), reference.fp8_dequantize(k8, ks, 128, True, 7),
+           reference.fp8_dequantize(v8, vs, 128, False)]
+    scale = 1 / np.sqrt(d)
+    for causal in (False, True):
+        exact = reference.attention_ref(*deq, causal=causal, softmax_scale=scale, compute_dtype="float64")[0]
+        kw = dict(causal=causal, softmax_scale=scale)
+        assert bench.fp8_max_err(exact, inputs, 2, 2, **kw) < 1e-5
+        wrong = exact.copy()
+        wrong[0, 5, 1, 3] += 0.25
+        assert bench.fp8_max_err(wrong, inputs, 2, 2, **kw) == pytest.approx(0.25, abs=1e-5)
+        wrong[1, 5, 1, 3] += 9.0  # outside the slice (batch 0, first 2 heads)
+        wrong[0, 5, 3, 3] += 9.0
+        assert bench.fp8_max_err(wrong, inputs, 2, 2, **kw) == pytest.approx(0.25, abs=1e-5)
+        # against the unquantised inputs the error is the quantisation's: larger (causal row 0 is v[0] itself,
+        # rounded to e4m3 by up to 2^-4 relative: about 0.3 at |v| = 5)
+        plain = reference.attention_ref(q, k, v, causal=causal, softmax_scale=scale)[0]
+        assert 1e-3 < bench.fp8_max_err(plain, inputs, 2, 2, **kw) < 0.35
+    nan = exact.copy()
+    nan[0, 0, 0, 0] = np.nan
+    assert np.isnan(bench.fp8_max_err(nan, inputs, 2, 2, causal=True, softmax_scale=scale))
+    # one descale per (batch, head), as the cuDNN peer's per-tensor scales are passed
+    per_head = bench.Fp8Inputs(q8, k8, v8, *(np.full((b, h, 1), 2.0 ** -7, np.float32) for _ in range(3)), 128)
+    deq = [reference.e4m3_values(x).astype(np.float64) * 2.0 ** -7 for x in (q8, k8, v8)]
+    exact = reference.attention_ref(*deq, causal=False, softmax_scale=scale, compute_dtype="float64")[0]
+    assert bench.fp8_max_err(exact, per_head, 2, 2, causal=False, softmax_scale=scale) < 1e-6
+
+
+def test_measure_fp8_row(monkeypatch, no_device):
+    """The fp8 row: dtype e4m3, checked by its own max_err (not the case's bf16 reference), its note kept."""
+    checked = []
+
+    def fp8_factory(case):
+        return bench.Timed(lambda: ("out",), max_err=lambda outs: checked.append(outs) or 0.0125, note="how")
+
+    monkeypatch.setattr(bench, "factory_for", lambda name: fp8_factory)
+
+    class Case(FakeCase):
+        def max_err(self, outs):
+            raise AssertionError("the bf16 reference must not check an fp8 row")
+
+    c = cfg("--suite", "fp8", "--quick")
+    row = bench.measure(bench.SUITES["fp8"], Case(shape()), "cuflash-fa3-fp8", c, FP8_ENV)
+    assert checked == [("out",)] and row["max_err"] == 0.0125 and row["note"] == "how"
+    assert row["dtype"] == "e4m3" and row["ms"] == 0.5 and row["error"] is None
+    assert row["pct_of_ceiling"] == pytest.approx(100 * row["tflops"] / 1250.0)
+
+
+class FakeFp8Case(FakeCase):
+    def __init__(self, s, dtype="bf16", mode="fwd", seed=0):
+        super().__init__(s, mode)
+
+
+def _fp8_stand_ins(monkeypatch):
+    """Factories whose calls "take" a fixed time per implementation (time_fn reads it off the function)."""
+    ms = {"cuflash-fa3-fp8": 0.25, "cuflash-fa3": 0.5, "torch-cudnn": 0.6}
+
+    def factory(name):
+        def make(case):
+            fn = lambda: (None,)  # noqa: E731
+            fn.ms = ms[name]
+            return bench.Timed(fn, max_err=(lambda outs: 0.02) if name in bench.FP8_IMPLS else None)
+        return make
+
+    monkeypatch.setattr(bench, "factory_for", factory)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: fn.ms)
+    return ms
+
+
+def test_fp8_run_end_to_end_without_a_gpu(monkeypatch, tmp_path, capsys, no_device):
+    """``bench --suite fp8 --quick --json`` through run() with the GPU parts replaced: rows per shape x impl,
+    the fp8 row in e4m3 against the fp8 ceiling with its speed-ups over the bf16 kernel and the peer, the
+    missing cuDNN FP8 peer named in the header and in env, the tables rendered."""
+    ms = _fp8_stand_ins(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "250")  # rich: every table column unabridged in the captured output
+    monkeypatch.setattr(bench, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(bench, "default_impls", lambda suite: list(ms))
+    monkeypatch.setattr(bench, "fp8_peers", lambda: (["cuflash-fa3", "torch-cudnn"],
+                                                     {"cudnn-fp8": "the cudnn package is not importable here"}))
+    monkeypatch.setattr(bench, "collect_env", lambda: dict(FAKE_ENV))
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: dict(ENV["ceilings"]))
+    monkeypatch.setattr(bench, "measure_fp8_ceiling", lambda: {"fp8_matmul_tflops": 1250.0,
+                                                               "fp8_matmul_promoted_tflops": 1000.0,
+                                                               "fp8_matmul_via": "torch._scaled_mm"})
+    monkeypatch.setattr(bench, "Fp8Case", FakeFp8Case)
+    path, svg = tmp_path / "fp8.json", tmp_path / "fp8.svg"
+    assert bench.run(parse("--suite", "fp8", "--quick", "--json", str(path), "--svg", str(svg))) == 0
+    rows = json.loads(path.read_text())
+    quick = cfg("--suite", "fp8", "--quick")
+    assert len(rows) == len(quick.headdims) * len(quick.causals) * len(quick.seqlens) * len(ms)
+    for row in rows:
+        assert set(bench.REQUIRED_KEYS) <= set(row)
+        assert row["suite"] == "fp8" and row["error"] is None
+        assert row["env"]["ceilings"]["fp8_matmul_tflops"] == 1250.0
+        assert row["env"]["skipped_peers"] == {"cudnn-fp8": "the cudnn package is not importable here"}
+        s = bench.Shape(row["batch"], row["heads"], row["kv_heads"], row["seqlen_q"], row["seqlen_k"], row["headdim"],
+                        row["causal"])
+        assert row["tflops"] == pytest.approx(bench.SUITES["prefill"].work(s) / (ms[row["impl"]] * 1e-3) / 1e12)
+        assert row["pct_of_ceiling"] == pytest.approx(100 * row["tflops"] / 1250.0)
+    fp8 = [r for r in rows if r["impl"] == "cuflash-fa3-fp8"]
+    assert {(r["headdim"], r["causal"], r["seqlen_q"]) for r in fp8} == {
+        (d, c, n) for d in quick.headdims for c in quick.causals for n in quick.seqlens}
+    assert all(r["dtype"] == "e4m3" and r["max_err"] == 0.02 for r in fp8)
+    assert all(r["speedup_vs"] == pytest.approx({"cuflash-fa3": 2.0, "torch-cudnn": 2.4}) for r in fp8)
+    assert all(r["dtype"] == "bf16" for r in rows if r["impl"] != "cuflash-fa3-fp8")
+    out = capsys.readouterr().out
+    for needle in ("e4m3 matmul 8192³ 1250 TFLOP/s", "cudnn-fp8: the cudnn package is not importable here",
+                   "% of the fp8 matmul ceiling", "e4m3, peers bf16", "vs cuflash-fa3", "×2.00", "×2.40"):
+        assert needle in out, needle
+    assert svg.read_text().lstrip().startswith("<svg")
+
+
+def test_fp8_suite_says_so_before_hopper(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "has_gpu", lambda: True)
+    monkeypatch.setattr(bench, "compute_capability", lambda: (8, 9))
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: pytest.fail("nothing may be measured"))
+    assert bench.run(parse("--suite", "fp8")) == 2
+    out = capsys.readouterr().out
+    assert "needs a Hopper GPU (sm_90" in out and "sm_89" in out and "Nothing measured" in out
+
+
+def test_fp8_no_gpu_path(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(bench, "has_gpu", lambda: False)
+    monkeypatch.setattr(bench, "_offline_check", lambda arch: calls.append(arch) or 0)
+    assert bench.run(parse("--suite", "fp8")) == 0
+    assert calls == ["sm_90a"] and capsys.readouterr().out.strip() == bench.OFFLINE_SENTENCE
+
+
+def test_fp8_ceiling_without_torch(monkeypatch):
+    monkeypatch.setattr(bench, "_importable", lambda module: False)
+    ceil = bench.measure_fp8_ceiling()
+    assert ceil["fp8_matmul_tflops"] is None and ceil["fp8_matmul_promoted_tflops"] is None
+    assert "torch" in ceil["fp8_matmul_error"]
+
+
+def test_header_shows_the_fp8_ceiling_only_when_measured():
+    from rich.console import Console
+
+    def header(env, suite):
+        console = Console(record=True, width=400, file=open("/dev/null", "w"))
+        console.print(bench.render_header(env, bench.SUITES[suite], cfg("--suite", suite)))
+        return console.export_text()
+
+    fp8 = header(dict(FAKE_ENV, ceilings={**ENV["ceilings"], "fp8_matmul_tflops": None,
+                                          "fp8_matmul_error": "RuntimeError: torch has no _scaled_mm"},
+                      skipped_peers={"cudnn-fp8": "not importable"}), "fp8")
+    for needle in ("e4m3 matmul 8192³ — TFLOP/s (RuntimeError: torch has no _scaled_mm", "cudnn-fp8: not importable",
+                   "cuflash-fa3-fp8 on e4m3 inputs", "block 128", "Hadamard"):
+        assert needle in fp8, needle
+    prefill = header(dict(FAKE_ENV, ceilings=ENV["ceilings"]), "prefill")
+    assert "e4m3" not in prefill and "skipped" not in prefill

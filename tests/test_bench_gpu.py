@@ -1,5 +1,6 @@
 """GPU tier for ``python -m cuflash bench``: a --quick prefill, backward and decode sweep end to end (peers
-included, whatever this machine has), its JSON, --compare against the first file, and --svg."""
+included, whatever this machine has), its JSON, --compare against the first file, and --svg; the fp8 suite
+on one tiny shape (sm_90)."""
 import argparse
 import json
 import math
@@ -107,3 +108,40 @@ def test_decode_quick_writes_json(tmp_path):
     for row in rows:  # peers: where they ran, they computed the same thing
         if row["impl"] != "cuflash-decode" and row["ms"] is not None:
             assert row["max_err"] is not None and row["max_err"] < 0.02, row
+
+
+def test_fp8_suite_one_tiny_shape(tmp_path):
+    """--suite fp8 on one causal shape (d = 128, N = 512): the FP8 row measured and checked against its
+    dequantised inputs, the bf16 FA3 row beside it, the speed-up over it, the e4m3 matmul ceiling where
+    torch has one."""
+    from cuflash._device import compute_capability
+
+    if compute_capability() < (9, 0):
+        pytest.skip("the fp8 suite needs an sm_90 GPU")
+    path = tmp_path / "fp8.json"
+    rc = run_bench("--suite", "fp8", "--headdims", "128", "--seqlens", "512", "--total-tokens", "1024",
+                   "--causal", "true", "--warmup", "1", "--reps", "3", "--json", str(path))
+    rows = json.loads(path.read_text())
+    by_impl = {row["impl"]: row for row in rows}
+    assert rc == 0, {impl: row["error"] for impl, row in by_impl.items()}
+    assert len(rows) == len(by_impl)  # one shape: one row per implementation
+    for row in rows:
+        missing = set(bench.REQUIRED_KEYS) - set(row)
+        assert not missing, (row["impl"], missing)
+        assert row["suite"] == "fp8" and (row["batch"], row["seqlen_q"], row["headdim"], row["causal"]) == (
+            2, 512, 128, True)
+        assert row["dtype"] == ("e4m3" if row["impl"] in bench.FP8_IMPLS else "bf16")
+    ours = by_impl["cuflash-fa3-fp8"]
+    assert ours["error"] is None and ours["ms"] > 0 and ours["tflops"] > 0
+    # P rounded to e4m3 (2^-4 relative) over |v| up to about 4: a broken kernel is off by O(1)
+    assert ours["max_err"] is not None and ours["max_err"] < 0.25, ours["max_err"]
+    ceilings = ours["env"]["ceilings"]
+    if ours["env"]["torch"]:
+        assert ceilings["fp8_matmul_tflops"] > 0, ceilings.get("fp8_matmul_error")
+        assert ours["pct_of_ceiling"] > 0
+    else:
+        assert ceilings["fp8_matmul_tflops"] is None and ceilings["fp8_matmul_error"]
+    bf16 = by_impl.get("cuflash-fa3")
+    if bf16 is not None and bf16["ms"]:
+        assert bf16["max_err"] < 0.05
+        assert ours["speedup_vs"]["cuflash-fa3"] == pytest.approx(bf16["ms"] / ours["ms"])
