@@ -69,6 +69,10 @@ constexpr int Q_BYTES = BM * DP * ELEM_BYTES, K_BYTES = BN * DP * ELEM_BYTES;
 constexpr int V_BYTES = FP8 ? D * BN : K_BYTES;  // FP8: a V^T tile, d rows of BN keys
 constexpr int O_BYTES = BM * OD * 2;
 constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
+// Within a warpgroup, S_n = Q K_n^T runs while P_{n-1} V_{n-1} does, which keeps S, P_{n-1} and O in
+// registers at once. FP8 at d = 256 (O 128 + S 64 + P 16 registers per thread) does not fit the 240 of a
+// consumer that way: there P V completes before S is issued and only the pingpong overlaps the softmax.
+constexpr bool INTRA_WG_OVERLAP = !(FP8 && D == 256);
 constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
@@ -135,7 +139,8 @@ struct OnlineSoftmax {
     // warpgroup's rows and K tile n is visible. qrow: the query rows of this thread's two rows. Returns
     // whether O needs rescaling by alpha (a row max moved somewhere in the warp).
     __device__ __forceinline__ bool step(float (&sc)[BN / 2], const Mask& mask, bool all_visible, const int (&qrow)[2],
-                                         int n, int q4, const Fa3FwdParams& p, const float (&scale_log2)[2]) {
+                                         int n, int q4, const Fa3FwdParams& p, const float (&row_scale)[2],
+                                         float tile_scale) {
         if constexpr (SOFTCAP) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) sc[i] = tanh_approx(sc[i] * p.softcap_pre);
@@ -152,7 +157,8 @@ struct OnlineSoftmax {
             float tile_max = neg_inf();
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            const float mx = fmaxf(row_max[r], quad_max(tile_max) * scale_log2[r]);
+            const float scale_log2 = row_scale[r] * tile_scale;
+            const float mx = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
             const float base = mx == neg_inf() ? 0.f : mx;
             alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] - base);
             row_max[r] = mx;
@@ -162,7 +168,7 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = sc[4 * j + 2 * r + e];
-                    x = fast_exp2(x * scale_log2[r] - base);
+                    x = fast_exp2(x * scale_log2 - base);
                     sum += x;
                 }
             }
@@ -386,15 +392,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // Logits -> log2 units for this thread's rows (FP8: times the row's Q descale, and per tile the K
         // tile's); FP8's V descale of the tile whose units O is in.
         const int kv_head = PACK_GQA ? tile.head : tile.head / group;
-        float row_scale[2], tile_scale[2];
+        float row_scale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             row_scale[r] = FP8 ? p.scale_log2 * q_descale(p, tile.batch, qhead[r], qrow[r]) : p.scale_log2;
-        auto scales_of_tile = [&](int n) {
-            const float k_scale = FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) tile_scale[r] = row_scale[r] * k_scale;
-        };
+        auto k_scale = [&](int n) { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f; };
         float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
         mbar_wait(&sm.q_full, q_iter++ & 1);
 
@@ -405,14 +407,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
             issue_qk(sc, q_rows, sm.k[s]);
             pass_the_turn(c);
-            scales_of_tile(n_lo);
+            const float tile_scale = k_scale(n_lo);
             wgmma_wait<0>();
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
                 if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
-            softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, tile_scale);
+            softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, row_scale,
+                         tile_scale);
             pack_p(sc, pv_a);
         }
 
@@ -421,10 +424,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wait_my_turn(c);
             mbar_wait(&sm.k_full[s], ((i + 1) / STAGES) & 1);
             mbar_wait(&sm.v_full[s_prev], (i / STAGES) & 1);
-            issue_qk(sc, q_rows, sm.k[s]);
-            issue_pv(o, pv_a, sm.v[s_prev]);
+            if constexpr (INTRA_WG_OVERLAP) {
+                issue_qk(sc, q_rows, sm.k[s]);
+                issue_pv(o, pv_a, sm.v[s_prev]);
+            } else {  // P_{n-1} V_{n-1} finishes before S_n takes its registers
+                issue_pv(o, pv_a, sm.v[s_prev]);
+                wgmma_wait<0>();
+                wgmma_fence_regs(o);
+                issue_qk(sc, q_rows, sm.k[s]);
+            }
             pass_the_turn(c);
-            scales_of_tile(n);
+            const float tile_scale = k_scale(n);
             float v_ratio = 1.f;  // FP8: O moves from V_{n-1}'s descale units to V_n's
             if constexpr (FP8) {
                 const float v_next = kv_descale(p.v_descale, p, tile.batch, kv_head, n);
@@ -432,14 +442,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 v_scale = v_next;
             }
 
-            wgmma_wait<1>();  // S_n is done; P_{n-1} V_{n-1} may still run
+            wgmma_wait<INTRA_WG_OVERLAP ? 1 : 0>();  // S_n is done; P_{n-1} V_{n-1} may still run
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
-            bool rescale =
-                softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p, tile_scale);
+            bool rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
+                                        row_scale, tile_scale);
             if (FP8 && v_ratio != 1.f) {
                 softmax.alpha[0] *= v_ratio;
                 softmax.alpha[1] *= v_ratio;
