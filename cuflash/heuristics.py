@@ -105,6 +105,8 @@ FA2_BWD_TILES_PLAIN = {
 class Fa3Tiles:
     block_n: int  # keys per K/V tile (BLOCK_M is 128: two consumer warpgroups of 64 rows)
     stages: int  # K/V tiles in flight in the shared-memory ring
+    # within a consumer warpgroup, S_n = Q K_n^T runs under P_{n-1} V_{n-1} (kernels_cu/fa3/fwd.cu)
+    intra_wg_overlap: bool = True
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per
@@ -122,11 +124,14 @@ FA3_TILES = {
 
 # head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:
 # a V^T tile row of 128 keys is exactly one 128-byte swizzle atom. Tiles are half the bytes of bf16's, so
-# two stages are 80 KB at d = 64 (Q and K rows padded to 128 bytes) and 128, 160 KB at d = 256.
+# two stages are 80 KB at d = 64 (Q and K rows padded to 128 bytes) and 128, 160 KB at d = 256. At
+# d = 256, O (128 registers per thread), S (64) and P (16) do not fit a consumer's 240 together: P V
+# completes before S is issued there (no intra-warpgroup overlap; the pingpong between the two consumer
+# warpgroups remains), which measured 1019-1124 TF/s non-causal at N = 8k-16k on the H200.
 FA3_FP8_TILES = {
     64: Fa3Tiles(block_n=128, stages=2),
     128: Fa3Tiles(block_n=128, stages=2),
-    256: Fa3Tiles(block_n=128, stages=2),
+    256: Fa3Tiles(block_n=128, stages=2, intra_wg_overlap=False),
 }
 
 
@@ -188,10 +193,11 @@ def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, b
 
 # Query rows per KV head (batch x seqlen_q x the GQA group) from which the prefix goes through the prefill
 # kernels instead of the decode kernel. The decode kernel's blocks hold 16 rows: below 64 rows that is at
-# most 3 blocks per KV head streaming the prefix, memory-bound and about one read of it, which a 128-row
-# prefill tile (mostly padding then) cannot beat. From 64 rows its blocks re-read the prefix 4+ times on
-# small MMA tiles: at issue 6's shape (256 rows, 16 blocks per KV head, a 32k prefix) that pass was most of
-# the cascade's 400 µs on the H200, against 34 GFLOP for the prefill kernels (~60 µs at FA3's rate).
+# most 3 blocks per KV head streaming the prefix side by side, memory-bound, which a 128-row prefill tile
+# (mostly padding then) cannot beat by much. From 64 rows its blocks re-read the prefix 4+ times on small
+# MMA tiles: at issue 6's shape (256 rows, 16 blocks per KV head, a 32k prefix) that pass was most of the
+# cascade's 400 µs on the H200, against 34 GFLOP for the prefill kernels (~60 µs at FA3's rate). 64 is an
+# estimate, not a measured crossover: scripts/cascade_probe.py times both paths (--batch 16: 64 rows).
 CASCADE_PREFILL_MIN_ROWS = 64
 CASCADE_TILE_ROWS = 128  # query rows per prefill tile (FA3's BLOCK_M, FA2's up to d = 128)
 CASCADE_MIN_CHUNK = 512  # keys: a tile's Q load, epilogue and partial output stay small next to its key loop
@@ -205,10 +211,11 @@ def cascade_prefix_chunk(rows: int, kv_heads: int, prefix_len: int, num_sms: int
     ``rows``: the query rows per KV head, which cascade_attention packs into one sequence per chunk, so
     each chunk is ceil(rows / 128) x kv_heads tiles; unchunked, a few hundred rows would make a few dozen
     tiles, each walking the whole prefix, on a GPU of 132 SMs. The chunk count is the largest that keeps
-    the tiles at 2 x num_sms or fewer: FA3's persistent blocks take tiles round-robin, so every SM walks
-    at most two chunks and less than one chunk's tiles of those two rounds go unused. Chunks keep
+    the tiles at 2 x num_sms or fewer: FA3's persistent blocks take tiles round-robin, so no SM takes more
+    than two, and fewer than one chunk's tiles of the 2 x num_sms places go unused. Chunks keep
     CASCADE_MIN_CHUNK keys or more (each one adds a partial output to the merge). The length is rounded
-    up to CASCADE_CHUNK_ALIGN, which may leave fewer chunks than counted, the last one shorter."""
+    up to CASCADE_CHUNK_ALIGN, which may leave fewer chunks than counted, the last one shorter. Issue 6's
+    shape (256 rows, 8 KV heads, 32k keys, 132 SMs): 16 tiles per chunk, 16 chunks of 2048 keys."""
     tiles_per_chunk = -(-rows // CASCADE_TILE_ROWS) * kv_heads
     chunks = max(1, min(2 * num_sms // tiles_per_chunk, prefix_len // CASCADE_MIN_CHUNK))
     keys = -(-prefix_len // chunks)

@@ -2,14 +2,15 @@
 the dequantised e4m3 inputs, and TFLOP/s at FlashAttention benchmark shapes (16k tokens, hidden 2048) next
 to the bf16 FA3 kernel. Bypasses the public API's validation.
 
-    python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time]
+    python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time] [--no-check]
+                                [--tiles 128:128:3:0,...]   # d:block_n:stages:intra_wg_overlap overrides
 """
 import argparse
 
 import cupy
 import numpy as np
 
-from cuflash import _validate, fa3, fp8
+from cuflash import _validate, fa3, fp8, heuristics
 from cuflash.bench import time_fn
 
 
@@ -80,17 +81,19 @@ def check(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
           f"max|lse-ref| {np.nanmax(lse_err):.3e}", flush=True)
 
 
-def perf(d, n, causal, reps):
+def perf(d, n, causal, reps, peer=True):
     b, h = 16384 // n, 2048 // d
     call, *_ = run(b, n, n, h, h, d, causal)
     ms = time_fn(call, warmup=3, reps=reps)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    rand = lambda *s: cupy.random.standard_normal(s, dtype=cupy.float32).astype("bfloat16")
-    q = rand(b, n, h, d)
-    import cuflash
-    ms16 = time_fn(lambda: cuflash.flash_attn_func(q, q, q, causal=causal, impl="fa3"), warmup=3, reps=reps)
-    print(f"perf d={d} N={n} causal={causal}: fp8 {flops / ms / 1e9:6.0f} TF/s ({ms * 1e3:7.1f} us) | "
-          f"bf16 fa3 {flops / ms16 / 1e9:6.0f}", flush=True)
+    line = f"perf d={d} N={n} causal={causal}: fp8 {flops / ms / 1e9:6.0f} TF/s ({ms * 1e3:7.1f} us)"
+    if peer:
+        import cuflash
+
+        q = cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+        ms16 = time_fn(lambda: cuflash.flash_attn_func(q, q, q, causal=causal, impl="fa3"), warmup=3, reps=reps)
+        line += f" | bf16 fa3 {flops / ms16 / 1e9:6.0f}"
+    print(line, flush=True)
 
 
 def main():
@@ -100,8 +103,15 @@ def main():
     ap.add_argument("--seqlens", type=ints, default=[2048, 8192])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-time", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--no-peer", action="store_true", help="do not time the bf16 FA3 kernel alongside")
+    ap.add_argument("--tiles", default="", help="d:block_n:stages:overlap,... replacing FA3_FP8_TILES entries")
     args = ap.parse_args()
-    for d in args.headdims:
+    for spec in filter(None, args.tiles.split(",")):
+        d, block_n, stages, overlap = (int(x) for x in spec.split(":"))
+        heuristics.FA3_FP8_TILES[d] = heuristics.Fa3Tiles(block_n, stages, bool(overlap))
+        print("tiles", d, heuristics.FA3_FP8_TILES[d])
+    for d in [] if args.no_check else args.headdims:
         for causal in (False, True):
             check(2, 239, 300, 4, 2, d, causal)
             check(1, 300, 113, 4, 4, d, causal, qblock=64, kvblock=256)
@@ -111,7 +121,7 @@ def main():
         for d in args.headdims:
             for n in args.seqlens:
                 for causal in (False, True):
-                    perf(d, n, causal, args.reps)
+                    perf(d, n, causal, args.reps, peer=not args.no_peer)
 
 
 if __name__ == "__main__":

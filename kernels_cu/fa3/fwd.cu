@@ -25,7 +25,7 @@
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
-// (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1).
+// (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -70,9 +70,10 @@ constexpr int V_BYTES = FP8 ? D * BN : K_BYTES;  // FP8: a V^T tile, d rows of B
 constexpr int O_BYTES = BM * OD * 2;
 constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
 // Within a warpgroup, S_n = Q K_n^T runs while P_{n-1} V_{n-1} does, which keeps S, P_{n-1} and O in
-// registers at once. FP8 at d = 256 (O 128 + S 64 + P 16 registers per thread) does not fit the 240 of a
-// consumer that way: there P V completes before S is issued and only the pingpong overlaps the softmax.
-constexpr bool INTRA_WG_OVERLAP = !(FP8 && D == 256);
+// registers at once. Without it (CUFLASH_INTRA_WG_OVERLAP 0; FP8 at d = 256, whose O 128 + S 64 + P 16
+// registers per thread do not fit a consumer's 240 together) P V completes before S is issued and only the
+// pingpong overlaps the softmax with GEMMs.
+constexpr bool INTRA_WG_OVERLAP = CUFLASH_INTRA_WG_OVERLAP;
 constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
