@@ -81,9 +81,9 @@ def check(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
           f"max|lse-ref| {np.nanmax(lse_err):.3e}", flush=True)
 
 
-def perf(d, n, causal, reps, peer=True):
+def perf(d, n, causal, reps, peer=True, kvblock=128):
     b, h = 16384 // n, 2048 // d
-    call, *_ = run(b, n, n, h, h, d, causal)
+    call, *_ = run(b, n, n, h, h, d, causal, kvblock=kvblock)
     ms = time_fn(call, warmup=3, reps=reps)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
     line = f"perf d={d} N={n} causal={causal}: fp8 {flops / ms / 1e9:6.0f} TF/s ({ms * 1e3:7.1f} us)"
@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-peer", action="store_true", help="do not time the bf16 FA3 kernel alongside")
+    ap.add_argument("--per-tensor", action="store_true", help="time with one K/V descale per (batch, head)")
     ap.add_argument("--tiles", default="", help="d:block_n:stages:overlap,... replacing FA3_FP8_TILES entries")
     args = ap.parse_args()
     for spec in filter(None, args.tiles.split(",")):
@@ -121,7 +122,7 @@ def main():
         for d in args.headdims:
             for n in args.seqlens:
                 for causal in (False, True):
-                    perf(d, n, causal, args.reps, peer=not args.no_peer)
+                    perf(d, n, causal, args.reps, peer=not args.no_peer, kvblock=None if args.per_tensor else 128)
 
 
 if __name__ == "__main__":
