@@ -1,16 +1,21 @@
-"""Cascade attention: many requests over one shared prefix, on cuflash's decode kernels.
+"""Cascade attention: many requests over one shared prefix, on cuflash's decode and prefill kernels.
 
 When a batch of requests shares a long prompt prefix (a system prompt, a few-shot preamble, the
 branches of one beam), attending to ``prefix + suffix_b`` per request reads the prefix's K/V once per
 request. Cascade inference (FlashInfer's name for it) splits the keys in two:
 
-  1. the prefix, once for the whole batch: every request's queries are stacked into one entry of
-     ``batch x seqlen_q`` query rows over the single prefix cache, so the prefix's K/V are streamed by
-     one set of thread blocks (its GQA groups packed as in ``flash_attn_with_kvcache``);
+  1. the prefix, once for the whole batch: every request's queries attend to the single prefix with no
+     mask (all of it is visible), so its K/V are streamed by one set of thread blocks. With few query
+     rows per KV head (batch x seqlen_q x the GQA group, below ``heuristics.CASCADE_PREFILL_MIN_ROWS``)
+     this is one ``flash_attn_with_kvcache`` entry of batch x seqlen_q queries, memory-bound like
+     decoding. With more rows it is compute-bound, and goes through the prefill kernels
+     (``flash_attn_varlen_func``: FA3 on Hopper, else FA2): the group's heads are packed into rows (one
+     query sequence per KV head, so K/V tiles serve all of them), and the prefix is cut into chunks
+     (``heuristics.cascade_prefix_chunk``), each a sequence of the packed batch with its own copy of the
+     queries, so that there are enough tiles to fill the GPU; each chunk gives a partial result;
   2. each request's own suffix, through ``flash_attn_with_kvcache`` as usual (contiguous or paged cache);
-  3. the two partial results merged by their log-sum-exp with ``flash_attn_combine``:
-     out = (e^lse_p out_p + e^lse_s out_s) / (e^lse_p + e^lse_s), exactly softmax attention over the
-     concatenated keys.
+  3. the partial results merged by their log-sum-exp in one ``flash_attn_combine``:
+     out = sum_i e^lse_i out_i / sum_i e^lse_i, exactly softmax attention over the concatenated keys.
 
 The partial outputs come back in q's dtype (the kernels' output), so the result carries one more
 rounding of each part than a single pass would.
@@ -65,10 +70,20 @@ def cascade_attention(q, prefix_k, prefix_v, k_cache, v_cache, *, cache_seqlens,
                                  f"attention (a query must see the whole prefix); got min {int(min(lens))}")
         import cupy
 
+        from ._device import device_properties
+        from .heuristics import CASCADE_PREFILL_MIN_ROWS, cascade_prefix_chunk
+
+        b, sq, h, _ = spec["q"].shape
+        prefix_len, kv_heads, _ = spec["prefix_k"].shape
+        rows = b * sq * (h // kv_heads)  # query rows per KV head over the prefix
+        chunk = None  # the decode kernel, in one pass
+        if rows >= CASCADE_PREFILL_MIN_ROWS:  # the device's properties (host time) only on this path
+            chunk = cascade_prefix_chunk(rows, kv_heads, prefix_len,
+                                         device_properties(call.device.id)["multiProcessorCount"])
         out, lse = merge_prefix_and_suffix(
             arr["q"], arr["prefix_k"], arr["prefix_v"], arr["k_cache"], arr["v_cache"], seqlens, arr.get("page_table"),
-            softmax_scale, causal, check, kvcache=api.flash_attn_with_kvcache, combine=api.flash_attn_combine,
-            xp=cupy)
+            softmax_scale, causal, check, prefix_chunk=chunk, kvcache=api.flash_attn_with_kvcache,
+            varlen=api.flash_attn_varlen_func, combine=api.flash_attn_combine, xp=cupy)
         return (call.wrap(out), call.wrap(lse)) if return_softmax_lse else call.wrap(out)
 
 
@@ -96,18 +111,64 @@ def check_prefix(q: Spec, prefix_k: Spec, prefix_v: Spec) -> None:
 
 
 def merge_prefix_and_suffix(q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens, page_table, softmax_scale,
-                            causal, check, *, kvcache, combine, xp):
-    """The three steps on arrays of one array module ``xp`` (``kvcache`` / ``combine`` stand for
-    flash_attn_with_kvcache / flash_attn_combine; the CPU tier runs this with NumPy references)."""
+                            causal, check, *, prefix_chunk, kvcache, varlen, combine, xp):
+    """The three steps on arrays of one array module ``xp`` (``kvcache`` / ``varlen`` / ``combine`` stand
+    for flash_attn_with_kvcache / flash_attn_varlen_func / flash_attn_combine; the CPU tier runs this with
+    NumPy references). ``prefix_chunk``: None for the prefix in one pass of the decode kernel, else the
+    keys per chunk of the prefix through the prefill kernels."""
     b, sq, h, d = q.shape
-    # 1. Every request's queries as one entry of b * sq rows over the prefix; no mask (all of it is visible).
-    out_p, lse_p = kvcache(q.reshape(1, b * sq, h, d), prefix_k[None], prefix_v[None],
-                           cache_seqlens=prefix_k.shape[0], softmax_scale=softmax_scale, causal=False,
-                           return_softmax_lse=True, check=check)
+    prefix_len = prefix_k.shape[0]
+    parts = 1 if prefix_chunk is None else -(-prefix_len // prefix_chunk)
+    # The partial results in the layouts flash_attn_combine takes, fp32: the prefix's first, the suffix's last.
+    o_part = xp.empty((parts + 1, b, sq, h, d), dtype=xp.float32)
+    l_part = xp.empty((parts + 1, b, h, sq), dtype=xp.float32)
+    # 1. Every request's queries over the prefix.
+    if prefix_chunk is None:
+        _prefix_by_decode(q, prefix_k, prefix_v, softmax_scale, check, kvcache, o_part[0], l_part[0])
+    else:
+        _prefix_by_chunks(q, prefix_k, prefix_v, softmax_scale, prefix_chunk, parts, varlen, xp, o_part[:parts],
+                          l_part[:parts])
     # 2. Each request's own keys, bottom-right causal within them when asked.
-    out_s, lse_s = kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
-                           softmax_scale=softmax_scale, causal=causal, return_softmax_lse=True, check=check)
-    # 3. Merge by log-sum-exp: lse_p (1, h, b * sq) -> (b, h, sq), the layout of lse_s.
-    o_part = xp.stack([out_p.reshape(b, sq, h, d), out_s]).astype(xp.float32)
-    l_part = xp.stack([lse_p.reshape(h, b, sq).transpose(1, 0, 2), lse_s]).astype(xp.float32)
+    o_part[parts], l_part[parts] = kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                           softmax_scale=softmax_scale, causal=causal, return_softmax_lse=True,
+                                           check=check)
+    # 3. Merge by log-sum-exp.
     return combine(o_part, l_part, out_dtype=str(q.dtype))
+
+
+def _prefix_by_decode(q, prefix_k, prefix_v, softmax_scale, check, kvcache, o_dest, l_dest):
+    """The queries of all requests as one entry of b * sq rows over the prefix, one decode-kernel pass
+    (its blocks pack each GQA group's heads); writes o_dest (b, sq, h, d) and l_dest (b, h, sq)."""
+    b, sq, h, d = q.shape
+    out, lse = kvcache(q.reshape(1, b * sq, h, d), prefix_k[None], prefix_v[None], cache_seqlens=prefix_k.shape[0],
+                       softmax_scale=softmax_scale, causal=False, return_softmax_lse=True, check=check)
+    o_dest[...] = out.reshape(b, sq, h, d)
+    l_dest[...] = lse.reshape(h, b, sq).transpose(1, 0, 2)  # (1, h, b * sq) -> (b, h, sq)
+
+
+def _prefix_by_chunks(q, prefix_k, prefix_v, softmax_scale, chunk, parts, varlen, xp, o_dest, l_dest):
+    """The prefix in ``parts`` chunks of ``chunk`` keys (the last one shorter), each a sequence of one packed
+    flash_attn_varlen_func call; writes o_dest (parts, b, sq, h, d) and l_dest (parts, b, h, sq).
+
+    The heads of a GQA group share their K/V and see the whole prefix unmasked, so they are packed into
+    rows: query head kv * g + j of query row r becomes row r * g + j of head kv, one sequence of
+    rows = b * sq * g per KV head, and the call is plain multi-head attention (kv_heads heads on both
+    sides): a K/V tile serves rows of all g heads, and 128-row tiles fill even when b * sq is small. Each
+    chunk gets its own copy of these rows (the packed layout holds each sequence's queries once)."""
+    b, sq, h, d = q.shape
+    prefix_len, kv_heads, _ = prefix_k.shape
+    g = h // kv_heads
+    rows = b * sq * g
+    packed = q.reshape(b * sq, kv_heads, g, d).transpose(0, 2, 1, 3)  # (b * sq, g, kv_heads, d)
+    q_chunks = xp.ascontiguousarray(xp.broadcast_to(packed, (parts,) + packed.shape)).reshape(parts * rows, kv_heads, d)
+    # Offsets made by device kernels, not copied from the host: the call may be captured in a CUDA graph.
+    cu_q = xp.arange(0, (parts + 1) * rows, rows, dtype=xp.int32)
+    cu_k = xp.arange(0, (parts + 1) * chunk, chunk, dtype=xp.int32)
+    cu_k[-1] = prefix_len  # the last chunk ends with the prefix
+    # validate=False: the offsets are right by construction, and checking them would copy them to the host.
+    out, lse = varlen(q_chunks, prefix_k, prefix_v, cu_q, cu_k, rows, min(chunk, prefix_len),
+                      softmax_scale=softmax_scale, causal=False, return_lse=True, validate=False)
+    # out (parts * rows, kv_heads, d) and lse (kv_heads, parts * rows) back to query heads kv * g + j.
+    o_dest.reshape(parts, b, sq, kv_heads, g, d)[...] = out.reshape(parts, b, sq, g, kv_heads, d).transpose(
+        0, 1, 2, 4, 3, 5)
+    l_dest.reshape(parts, b, kv_heads, g, sq)[...] = lse.reshape(kv_heads, parts, b, sq, g).transpose(1, 2, 0, 4, 3)

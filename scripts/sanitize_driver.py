@@ -12,16 +12,17 @@ flash_attn_combine) runs contiguous caches and paged ones (page sizes 1, 16, 64,
 ragged cache lengths 0, 1 and 133 in one batch, GQA 8 on 2, head dims 64 / 128 / 256, unsplit and
 forced into 3 splits (the combine kernel), 3 causal queries, the in-place append with rotary, a window,
 softcap, fp16, and the combine on its own (see _decode_cases). The family "cascade" runs
-cascade_attention on three of tests/cascade_cases.py's cases (decoding over a paged cache with empty and
-one-key suffixes, 3 causal queries on a contiguous one, head dim 256 under a 1000-key prefix; see
-_cascade_cases). The family "fp8" runs fp8.quantize on every head dim with the rotation on and off,
-block 1, 64, 128 and None over 77 and 300 rows (None over 300: the two-launch amax + convert path), block
-200 (that path with an empty tile), a strided x and fp16 (see _fp8_cases). CuPy's memory pool is
-switched off, so every array is its own cudaMalloc of exactly its size: memcheck then sees a read past
-the end of an input, and initcheck sees a read of memory nobody wrote (a pool would hand out memory
-written before). Without --check nothing but the family's own work runs on the GPU: its kernels, CuPy's
-input casts, and what the function itself runs through CuPy (cascade_attention's stack and casts of the
-partial results, fp8.quantize's zeroed amax scratch).
+cascade_attention on four of tests/cascade_cases.py's cases (decoding over a paged cache with empty and
+one-key suffixes, 3 causal queries on a contiguous one, head dim 256 under a 1000-key prefix, and a prefix
+cut into chunks for the prefill kernels; see _cascade_cases). The family "fp8" runs fp8.quantize on every
+head dim with the rotation on and off, block 1, 64, 128 and None over 77 and 300 rows (None over 300: the
+two-launch amax + convert path), block 200 (that path with an empty tile), a strided x and fp16 (see
+_fp8_cases). CuPy's memory pool is switched off, so every array is its own cudaMalloc of exactly its
+size: memcheck then sees a read past the end of an input, and initcheck sees a read of memory nobody
+wrote (a pool would hand out memory written before). Without --check nothing but the family's own work
+runs on the GPU: its kernels, CuPy's input casts, and what the function itself runs through CuPy
+(cascade_attention's copies of the queries per prefix chunk, chunk offsets and casts of the partial
+results, fp8.quantize's zeroed amax scratch).
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def _families():
         if fam.BWD_FEATURES is not None:
             out.append(f"{name}-bwd")
     if _decode_available():
-        out += ["decode", "cascade"]  # cascade_attention is two flash_attn_with_kvcache calls and a combine
+        # cascade_attention is flash_attn_with_kvcache calls (or one over the suffixes and a prefill call,
+        # FA3 or FA2, which runs on every GPU decode runs on) and a combine
+        out += ["decode", "cascade"]
     if _fp8_available():
         out.append("fp8")
     return out
@@ -356,7 +359,8 @@ def _run_decode_case(c, rng, check):
 
 
 # ----------------------------------------------------------------------------------------------------
-# cascade: cascade_attention (flash_attn_with_kvcache over the prefix and over the suffixes, the combine)
+# cascade: cascade_attention (the prefix through flash_attn_with_kvcache or flash_attn_varlen_func, the
+# suffixes through flash_attn_with_kvcache, the combine)
 # ----------------------------------------------------------------------------------------------------
 
 CASCADE_KEYS = ("b", "sq", "h", "hkv", "d", "prefix_len", "lens", "paged", "causal")  # a CASES tuple's fields
@@ -374,11 +378,13 @@ def _cascade_module():
 
 
 def _cascade_cases():
-    """Three of tests/cascade_cases.py's CASES: decoding over a paged cache (page size 16) with suffixes of
+    """Four of tests/cascade_cases.py's CASES: decoding over a paged cache (page size 16) with suffixes of
     0, 1, 77 and 200 keys (an empty suffix: lse -inf into the merge); 3 causal queries on contiguous caches
-    (MHA, d = 64); d = 256 paged under a 1000-key prefix (the prefix pass over many tiles)."""
+    (MHA, d = 64); d = 256 paged under a 1000-key prefix (the prefix pass over many tiles); 4 causal
+    queries x 4 heads per KV head x 8 requests, 128 rows per KV head, so the 2000-key prefix goes through
+    the prefill kernels in chunks (3 of 768 keys, the last 464: a K/V tile read across a chunk's end)."""
     cases = _cascade_module().CASES
-    return [dict(zip(CASCADE_KEYS, cases[i])) for i in (1, 2, 4)]
+    return [dict(zip(CASCADE_KEYS, cases[i])) for i in (1, 2, 4, 6)]
 
 
 def _describe_cascade(c):

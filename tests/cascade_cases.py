@@ -41,11 +41,19 @@ def cascade_inputs(rng, *, b, sq, h, hkv, d, prefix_len, lens, paged, page_size=
 
 
 # (b, sq, h, hkv, d, prefix_len, lens, paged, causal): ragged suffixes with empty and one-key entries,
-# GQA, decoding (sq = 1) and several queries with the causal mask (every suffix >= sq - 1).
+# GQA, decoding (sq = 1) and several queries with the causal mask (every suffix >= sq - 1). The prefix
+# goes through the decode kernel below heuristics.CASCADE_PREFILL_MIN_ROWS = 64 query rows per KV head
+# (b * sq * h / hkv), through the prefill kernels in chunks from there: the last five cases (72, 64, 128,
+# 64 and 64 rows; on a GPU of 108-132 SMs one chunk, 7 chunks of 640 keys (the last 384), 3 of 768 (the
+# last 464), 2 of 768 (the last 732), one).
 CASES = [
     (4, 1, 8, 2, 128, 300, (0, 1, 77, 200), False, False),
     (4, 1, 8, 2, 128, 300, (0, 1, 77, 200), True, True),
     (3, 3, 4, 4, 64, 129, (2, 40, 5), False, True),
     (3, 3, 8, 1, 64, 64, (2, 33, 16), True, True),
     (2, 1, 16, 2, 256, 1000, (513, 3), True, False),
+    (16, 1, 32, 8, 128, 4224, (0, 1, 7, 113, 239, 64, 5, 300, 2, 33, 17, 128, 255, 9, 40, 77), False, False),
+    (8, 4, 8, 2, 64, 2000, (3, 3, 70, 16, 200, 4, 31, 129), True, True),
+    (4, 2, 16, 2, 256, 1500, (1, 100, 7, 64), False, True),
+    (64, 1, 4, 4, 64, 300, tuple(range(0, 640, 10)), True, False),
 ]

@@ -1,15 +1,20 @@
 """CPU tier: cuflash.cascade_attention's glue (cuflash.cascade.merge_prefix_and_suffix: the queries of all
-requests stacked over the prefix, the suffix pass, the LSE layouts, the merge) run with NumPy references in
-place of the kernels, against attention over the concatenated keys; and its prefix checks."""
+requests over the prefix, through the decode kernel in one pass or the prefill kernels in chunks, the suffix
+pass, the LSE layouts, the merge) run with NumPy references in place of the kernels, against attention over
+the concatenated keys; the choice between the two prefix paths and the chunk length; its prefix checks."""
 from __future__ import annotations
+
+import itertools
+import sys
+from unittest import mock
 
 import numpy as np
 import pytest
 
-from cuflash import cascade
+from cuflash import _device, cascade, decode, fa2, heuristics
 from cuflash import reference as ref
 from cascade_cases import CASES, cascade_inputs
-from test_bad_input_table import Case, _SpecCall, check_refused, spec, spec_env  # noqa: F401 (fixture)
+from test_bad_input_table import Case, _ReachedKernel, _SpecCall, check_refused, spec, spec_env  # noqa: F401 (fixture)
 
 
 def _kvcache_ref(q, k_cache, v_cache, *, cache_seqlens, page_table=None, softmax_scale=None, causal=False,
@@ -22,39 +27,162 @@ def _kvcache_ref(q, k_cache, v_cache, *, cache_seqlens, page_table=None, softmax
     return np.asarray(out, np.float32), np.asarray(lse, np.float32)
 
 
+def _varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                causal=False, return_lse=False, validate=True):
+    """flash_attn_varlen_func's result by the fp32 reference, sequence by sequence: out (total_q, heads, d),
+    lse (heads, total_q). Checks first what the glue promises the kernels with validate=False: int32
+    offsets from 0 to the arrays' ends, the stated maxima, no empty sequence."""
+    assert return_lse and not causal and validate is False
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == np.int32 and cu_seqlens_q.shape == cu_seqlens_k.shape
+    lens_q, lens_k = np.diff(cu_seqlens_q), np.diff(cu_seqlens_k)
+    assert cu_seqlens_q[0] == cu_seqlens_k[0] == 0 and lens_q.min() > 0 and lens_k.min() > 0
+    assert (cu_seqlens_q[-1], cu_seqlens_k[-1]) == (q.shape[0], k.shape[0])
+    assert (lens_q.max(), lens_k.max()) == (max_seqlen_q, max_seqlen_k)
+    out = np.empty(q.shape, np.float32)
+    lse = np.empty((q.shape[1], q.shape[0]), np.float32)
+    for qa, qb, ka, kb in zip(cu_seqlens_q[:-1], cu_seqlens_q[1:], cu_seqlens_k[:-1], cu_seqlens_k[1:]):
+        o, l_ = ref.attention_ref(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], softmax_scale=softmax_scale)
+        out[qa:qb], lse[:, qa:qb] = o[0], l_[0]
+    return out, lse
+
+
 def _combine_ref(o_part, l_part, *, out_dtype):
     assert o_part.dtype == np.float32 and l_part.dtype == np.float32 and out_dtype == "bfloat16"
     return ref.combine_ref(o_part, l_part)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}-{c[3]}-d{c[4]}-p{c[5]}-{'paged' if c[7] else 'contig'}"
-                                             f"-{'causal' if c[8] else 'full'}" for c in CASES])
-def test_glue_equals_attention_over_the_concatenation(case):
+class _Recorder:
+    """A stand-in kernel function that records the arguments of each call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.fn(*args, **kwargs)
+
+
+def _case_id(c):
+    b, sq, h, hkv, d, prefix_len, _, paged, causal = c
+    return (f"b{b}-sq{sq}-h{h}-{hkv}-d{d}-p{prefix_len}-{'paged' if paged else 'contig'}"
+            f"-{'causal' if causal else 'full'}")
+
+
+def _merge(x, causal, prefix_chunk, *, kvcache=_kvcache_ref, varlen=_varlen_ref, combine=_combine_ref):
+    return cascade.merge_prefix_and_suffix(
+        x["q"], x["prefix_k"], x["prefix_v"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"],
+        None, causal, True, prefix_chunk=prefix_chunk, kvcache=kvcache, varlen=varlen, combine=combine, xp=np)
+
+
+# None: the prefix through the decode kernel; else keys per chunk through the prefill kernels: 64 to 1000
+# keys make 1 to 66 chunks of the cases' prefixes, most of them with a shorter last chunk (300 = 4 x 64 + 44,
+# 1000 = 7 x 128 + 104, 129 = 2 x 64 + 1), some not (64 = 64, 300 = 3 x 100), and 10**6 one chunk.
+CHUNKS = [None, 64, 100, 128, 10 ** 6]
+
+
+@pytest.mark.parametrize("prefix_chunk", CHUNKS, ids=lambda c: "decode" if c is None else f"chunk{c}")
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_glue_equals_attention_over_the_concatenation(case, prefix_chunk):
     b, sq, h, hkv, d, prefix_len, lens, paged, causal = case
     x = cascade_inputs(np.random.default_rng(0), b=b, sq=sq, h=h, hkv=hkv, d=d, prefix_len=prefix_len, lens=lens,
                        paged=paged)
-    out, lse = cascade.merge_prefix_and_suffix(
-        x["q"], x["prefix_k"], x["prefix_v"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["page_table"],
-        None, causal, True, kvcache=_kvcache_ref, combine=_combine_ref, xp=np)
+    kvcache, varlen = _Recorder(_kvcache_ref), _Recorder(_varlen_ref)
+    out, lse = _merge(x, causal, prefix_chunk, kvcache=kvcache, varlen=varlen)
     want_out, want_lse, _, _ = ref.kvcache_attention_ref(x["q"], x["concat_k"], x["concat_v"],
                                                          cache_seqlens=x["concat_seqlens"], causal=causal)
     assert out.shape == (b, sq, h, d) and lse.shape == (b, h, sq)
     np.testing.assert_allclose(out, np.asarray(want_out, np.float64), atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(lse, np.asarray(want_lse, np.float64), atol=2e-6, rtol=1e-6)
+    # the path asked for: the decode kernel twice (prefix, suffix), or once with one prefill call of the
+    # chunks, GQA packed into rows (kv_heads heads, b * sq * h / kv_heads rows per chunk)
+    assert len(kvcache.calls) == (2 if prefix_chunk is None else 1)
+    assert len(varlen.calls) == (prefix_chunk is not None)
+    if prefix_chunk is not None:
+        (q_chunks, _, _, cu_q, cu_k, rows, _), _ = varlen.calls[0]
+        parts = -(-prefix_len // prefix_chunk)
+        assert rows == b * sq * h // hkv and q_chunks.shape == (parts * rows, hkv, d) and len(cu_k) == parts + 1
 
 
 def test_glue_can_fail():
-    """The comparison above notices a wrong merge: dropping the prefix changes the answer."""
+    """The comparison above notices a wrong merge: dropping the prefix changes the answer, and so does
+    dropping the last chunk of it."""
     x = cascade_inputs(np.random.default_rng(1), b=2, sq=1, h=4, hkv=2, d=64, prefix_len=50, lens=(10, 20), paged=False)
+    want, _, _, _ = ref.kvcache_attention_ref(x["q"], x["concat_k"], x["concat_v"], cache_seqlens=x["concat_seqlens"])
 
     def no_prefix(o_part, l_part, *, out_dtype):
         return ref.combine_ref(o_part[1:], l_part[1:])
 
-    out, _ = cascade.merge_prefix_and_suffix(
-        x["q"], x["prefix_k"], x["prefix_v"], x["k_cache"], x["v_cache"], x["cache_seqlens"], None, None, False, True,
-        kvcache=_kvcache_ref, combine=no_prefix, xp=np)
-    want, _, _, _ = ref.kvcache_attention_ref(x["q"], x["concat_k"], x["concat_v"], cache_seqlens=x["concat_seqlens"])
+    def no_last_chunk(*args, **kwargs):
+        out, lse = _varlen_ref(*args, **kwargs)
+        lse[:, -args[5]:] = -np.inf  # the last sequence (max_seqlen_q rows) weighs nothing in the merge
+        return out, lse
+
+    out, _ = _merge(x, False, None, combine=no_prefix)
     assert np.abs(out - np.asarray(want, np.float64)).max() > 1e-2
+    out, _ = _merge(x, False, 20, varlen=no_last_chunk)
+    assert np.abs(out - np.asarray(want, np.float64)).max() > 1e-2
+
+
+# ----------------------------------------------------------------------------------------------------
+# which prefix path, and the chunk length
+# ----------------------------------------------------------------------------------------------------
+
+def test_chunks_at_issue_6s_shape():
+    """64 requests x 1 query x 4 heads per KV head = 256 rows, 8 KV heads, a 32k prefix, 132 SMs: 16 chunks
+    of 2048 keys, 2 tiles of 128 rows x 8 KV heads each, 256 tiles for 2 x 132 places."""
+    assert heuristics.cascade_prefix_chunk(256, 8, 32768, 132) == 2048
+
+
+def test_chunk_rule():
+    """Tile-aligned chunks; at most 2 x SMs tiles unless one chunk has more; chunks of 512 keys or more
+    unless there is one; and as many chunks as those two bounds allow, fewer only where the alignment
+    lengthens the chunks."""
+    align, min_chunk = heuristics.CASCADE_CHUNK_ALIGN, heuristics.CASCADE_MIN_CHUNK
+    for rows, kv_heads, prefix_len, sms in itertools.product((64, 100, 256, 1000, 40000), (1, 2, 8, 32),
+                                                             (1, 127, 511, 512, 1000, 4224, 32768, 10 ** 6),
+                                                             (1, 2, 108, 132)):
+        chunk = heuristics.cascade_prefix_chunk(rows, kv_heads, prefix_len, sms)
+        parts = -(-prefix_len // chunk)
+        tiles_per_chunk = -(-rows // 128) * kv_heads
+        bound = max(1, min(2 * sms // tiles_per_chunk, prefix_len // min_chunk))
+        where = (rows, kv_heads, prefix_len, sms, chunk)
+        assert chunk % align == 0 and 1 <= parts <= bound, where
+        assert parts * tiles_per_chunk <= max(2 * sms, tiles_per_chunk), where
+        assert parts == 1 or chunk >= min_chunk, where
+        assert parts == bound or -(-prefix_len // bound) % align, where
+
+
+@pytest.mark.parametrize("q, pk, chunk", [
+    ((2, 1, 8, 128), (100, 2, 128), None),  # 8 rows per KV head
+    ((15, 1, 32, 128), (32768, 8, 128), None),  # 60
+    ((16, 1, 32, 128), (32768, 8, 128), 1024),  # 64: 33 chunks of 993 keys counted, 32 of 1024 after alignment
+    ((8, 2, 32, 128), (32768, 8, 128), 1024),  # 64, from 2 queries per request
+    ((64, 1, 32, 128), (32768, 8, 128), 2048),  # issue 6's shape
+    ((64, 1, 8, 64), (300, 8, 64), 384),  # MHA, 64 rows; a prefix shorter than a chunk: one chunk
+])
+def test_path_and_chunk_through_the_public_function(monkeypatch, q, pk, chunk):
+    """cascade_attention hands the glue the decode path below 64 query rows per KV head and the chunk
+    length of cascade_prefix_chunk (for a GPU of 132 SMs) from there."""
+    seen = {}
+
+    def merge(*args, prefix_chunk, **kwargs):
+        seen["chunk"] = prefix_chunk
+        raise _ReachedKernel("cascade.merge_prefix_and_suffix")
+
+    monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+    cache = spec((q[0], 64) + pk[1:])
+    with pytest.raises(_ReachedKernel):
+        cascade.cascade_attention(spec(q), spec(pk), spec(pk), cache, cache, cache_seqlens=32)
+    assert seen["chunk"] == chunk
+
+
+def test_the_prefill_kernels_take_every_call_the_decode_kernel_takes():
+    """The chunked prefix needs no fallback: FA2 (what impl="auto" takes where FA3 does not run) has every
+    head dim of the decode kernel, on every GPU that runs it, with packed variable-length batches."""
+    assert set(decode.HEADDIMS) <= set(fa2.HEADDIMS) and fa2.MIN_CC <= decode.MIN_CC
+    assert "varlen" in fa2.FWD_FEATURES and getattr(fa2, "ARCHS", None) is None
 
 
 Q = spec((2, 1, 8, 128))

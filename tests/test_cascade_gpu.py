@@ -1,12 +1,15 @@
 """GPU tier: cuflash.cascade_attention against attention over the concatenated keys (prefix + each request's
 suffix): the fp32 reference by the tolerance rule, and cuflash's own flash_attn_with_kvcache on caches
-holding the concatenation; the causal precondition refused under check=True; torch tensors in and out."""
+holding the concatenation, with the prefix through the decode kernel and (from 64 query rows per KV head)
+through the prefill kernels in chunks; the chunked path captured in a CUDA graph; the causal precondition
+refused under check=True; torch tensors in and out."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import cuflash
+from cuflash import api, heuristics
 from cuflash import reference as ref
 from cascade_cases import CASES, cascade_inputs
 
@@ -25,11 +28,19 @@ def _device(x):
 
 @pytest.mark.parametrize("case", CASES, ids=[f"b{c[0]}-sq{c[1]}-h{c[2]}-{c[3]}-d{c[4]}-p{c[5]}-{'paged' if c[7] else 'contig'}"
                                              f"-{'causal' if c[8] else 'full'}" for c in CASES])
-def test_equals_attention_over_the_concatenation(poison_allocations, case):
+def test_equals_attention_over_the_concatenation(poison_allocations, monkeypatch, case):
     b, sq, h, hkv, d, prefix_len, lens, paged, causal = case
     x = {k: _device(v) if isinstance(v, np.ndarray) else v
          for k, v in cascade_inputs(np.random.default_rng(0), b=b, sq=sq, h=h, hkv=hkv, d=d, prefix_len=prefix_len,
                                     lens=lens, paged=paged).items()}
+    varlen_calls = []
+    varlen = api.flash_attn_varlen_func
+
+    def counted_varlen(*args, **kwargs):
+        varlen_calls.append(args)
+        return varlen(*args, **kwargs)
+
+    monkeypatch.setattr(api, "flash_attn_varlen_func", counted_varlen)
     out, lse = cuflash.cascade_attention(x["q"], x["prefix_k"], x["prefix_v"], x["k_cache"], x["v_cache"],
                                          cache_seqlens=x["cache_seqlens"], page_table=x["page_table"], causal=causal,
                                          return_softmax_lse=True)
@@ -42,6 +53,36 @@ def test_equals_attention_over_the_concatenation(poison_allocations, case):
     # the single-pass kernel over the concatenation agrees within the same rule
     plain = cuflash.flash_attn_with_kvcache(x["q"], x["concat_k"], x["concat_v"], **concat)
     ref.check_close("plain", plain, o_ref, o_low)
+    # the prefix took the path its rows ask for: one prefill call of all its chunks from 64 rows per KV head
+    assert len(varlen_calls) == (b * sq * h // hkv >= heuristics.CASCADE_PREFILL_MIN_ROWS)
+
+
+def test_chunked_prefix_in_a_cuda_graph():
+    """With check=False the chunked prefix reads nothing on the host (its chunk offsets are made by device
+    kernels), so a call is captured in a CUDA graph; its replay after new suffix keys are written in place
+    equals an eager call on them (the same kernels on the same inputs: bitwise)."""
+    import cupy
+
+    from cuflash.bench import capture_on_stream
+
+    b, sq, h, hkv, d, prefix_len, lens, paged, _ = CASES[5]  # 64 rows per KV head: the prefix in chunks
+    rng = np.random.default_rng(4)
+    x = {k: _device(v) if isinstance(v, np.ndarray) else v
+         for k, v in cascade_inputs(rng, b=b, sq=sq, h=h, hkv=hkv, d=d, prefix_len=prefix_len, lens=lens,
+                                    paged=paged).items()}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        def call():
+            return cuflash.cascade_attention(x["q"], x["prefix_k"], x["prefix_v"], x["k_cache"], x["v_cache"],
+                                             cache_seqlens=x["cache_seqlens"], check=False)
+
+        call()  # compiles and loads the kernels outside the capture
+        graph, out = capture_on_stream(stream, call)
+        x["k_cache"][...] = _device(rng.standard_normal(x["k_cache"].shape, dtype=np.float32))
+        graph.launch(stream)
+        want = call()
+        stream.synchronize()
+    assert bool(cupy.array_equal(out, want))
 
 
 def test_causal_needs_the_whole_prefix_visible():

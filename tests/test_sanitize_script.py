@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _device, api, cascade, decode, fp8
+from cuflash import _device, api, cascade, decode, fp8, heuristics
 from cuflash import reference as ref
 from cuflash.heuristics import DECODE_TILES
 from cascade_cases import CASES as CASCADE_CASES
 from test_bad_input_table import _ReachedKernel, _SpecCall  # the same stand-ins as the decode bad-input table
-from test_cascade_cpu import _combine_ref, _kvcache_ref  # the cascade glue's NumPy kernels
+from test_cascade_cpu import _combine_ref, _kvcache_ref, _varlen_ref  # the cascade glue's NumPy kernels
 from test_decode_cpu import spec, vals
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +105,8 @@ COMBINE_CASES = [c for c in DRIVER._decode_cases() if c["fn"] == "combine"]
 ])
 def test_list_has_decode_cascade_and_fp8_when_the_gpu_runs_them(monkeypatch, capsys, impls, decode_ok, fp8_ok,
                                                                  listed):
-    """cascade_attention runs on the decode kernels, so it is listed exactly when decode is."""
+    """cascade_attention runs on the decode kernels and the prefill kernels of FA3 or FA2 (which runs on every
+    GPU decode runs on), so it is listed exactly when decode is."""
     monkeypatch.setattr(cuflash, "available_impls", lambda: impls)
     monkeypatch.setattr(DRIVER, "_decode_available", lambda: decode_ok)
     monkeypatch.setattr(DRIVER, "_fp8_available", lambda: fp8_ok)
@@ -272,12 +273,14 @@ CASCADE = DRIVER._cascade_cases()
 
 def test_cascade_cases_are_the_tests_cases_and_cover_the_family():
     """Taken from tests/cascade_cases.py unchanged; one paged, one causal with 3 queries, decoding with an
-    empty suffix; head dims the decode kernels have; the causal precondition (every suffix >= sq - 1)."""
-    assert 2 <= len(CASCADE) <= 3
+    empty suffix, one whose prefix goes through the prefill kernels; head dims the decode kernels have; the
+    causal precondition (every suffix >= sq - 1)."""
+    assert 2 <= len(CASCADE) <= 4
     assert all(tuple(c[k] for k in DRIVER.CASCADE_KEYS) in CASCADE_CASES for c in CASCADE)
     assert any(c["paged"] for c in CASCADE) and any(not c["paged"] for c in CASCADE)
     assert any(c["causal"] and c["sq"] == 3 for c in CASCADE)
     assert any(c["sq"] == 1 and 0 in c["lens"] for c in CASCADE)
+    assert any(c["b"] * c["sq"] * c["h"] // c["hkv"] >= heuristics.CASCADE_PREFILL_MIN_ROWS for c in CASCADE)
     assert all(c["d"] in decode.HEADDIMS and c["h"] % c["hkv"] == 0 and len(c["lens"]) == c["b"] for c in CASCADE)
     assert all(min(c["lens"]) >= c["sq"] - 1 for c in CASCADE if c["causal"])
 
@@ -306,8 +309,8 @@ def test_cascade_case_inputs_are_well_formed(c):
 @pytest.mark.parametrize("c", CASCADE, ids=DRIVER._describe_cascade)
 def test_cascade_case_is_a_call_the_api_accepts(monkeypatch, c):
     """The driver's call passes cascade_attention's own checks (the prefix, the causal precondition, which
-    reads cache_seqlens) and hands the glue the case's arrays; the glue's kernel calls are the decode
-    family's, which tests/test_cascade_cpu.py runs with NumPy stand-ins."""
+    reads cache_seqlens) and hands the glue the case's arrays; the glue's kernel calls (decode, prefill,
+    combine) are what tests/test_cascade_cpu.py runs with NumPy stand-ins."""
     seen = {}
 
     def merge(*args, **kwargs):
@@ -317,6 +320,7 @@ def test_cascade_case_is_a_call_the_api_accepts(monkeypatch, c):
     monkeypatch.setattr(cascade, "Call", _SpecCall)
     monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
     host = DRIVER._cascade_inputs(c, np.random.default_rng(0))
     args = {n: None if host[n] is None else vals(host[n].tolist()) if host[n].dtype == np.int32
             else spec(host[n].shape, "bfloat16") for n in DRIVER.CASCADE_ARGS}
@@ -330,14 +334,19 @@ def test_cascade_case_is_a_call_the_api_accepts(monkeypatch, c):
 
 def _cascade_glue(c, host, with_prefix=True):
     """cascade_attention's glue with the fp32 reference as its kernels (out rounded to bf16 as the combine
-    writes it); with_prefix=False drops the prefix's partial result from the merge (a wrong answer)."""
+    writes it), on the prefix path it takes (the chunk length of a GPU of 132 SMs); with_prefix=False
+    drops the prefix's partial results from the merge, keeping the suffix's, the last (a wrong answer)."""
     def combine(o_part, l_part, *, out_dtype):
-        return _combine_ref(o_part if with_prefix else o_part[1:], l_part if with_prefix else l_part[1:],
+        return _combine_ref(o_part if with_prefix else o_part[-1:], l_part if with_prefix else l_part[-1:],
                             out_dtype=out_dtype)
 
+    rows = c["b"] * c["sq"] * c["h"] // c["hkv"]
+    chunk = (heuristics.cascade_prefix_chunk(rows, c["hkv"], c["prefix_len"], 132)
+             if rows >= heuristics.CASCADE_PREFILL_MIN_ROWS else None)
     out, lse = cascade.merge_prefix_and_suffix(
         host["q"], host["prefix_k"], host["prefix_v"], host["k_cache"], host["v_cache"], host["cache_seqlens"],
-        host["page_table"], None, c["causal"], True, kvcache=_kvcache_ref, combine=combine, xp=np)
+        host["page_table"], None, c["causal"], True, prefix_chunk=chunk, kvcache=_kvcache_ref, varlen=_varlen_ref,
+        combine=combine, xp=np)
     return out.astype(host["q"].dtype), lse.astype(np.float32)
 
 
