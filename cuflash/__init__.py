@@ -8,6 +8,7 @@ Public API (flash-attn compatible names)::
     out = cuflash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens)  # decoding
     out = cuflash.cascade_attention(q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens=lens)  # shared prefix
     data, descale = cuflash.fp8.quantize(q, block=128, hadamard=True, seed=0)  # FP8 e4m3 inputs
+    out = cuflash.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3")  # Hopper
 
 Arrays are (batch, seqlen, heads, headdim), fp16 or bf16, CuPy arrays or anything with ``__dlpack__``
 (torch, JAX); results come back in the caller's framework.

@@ -12,6 +12,9 @@ import numbers
 from ._interop import Spec
 
 FLOAT16_DTYPES = ("bfloat16", "float16")
+FP8_DTYPES = ("uint8",)  # FP8 e4m3 data travels as its bytes: CuPy and DLPack have no fp8 dtype
+_DTYPES_WANTED = {FLOAT16_DTYPES: "float16 or bfloat16", FP8_DTYPES: "uint8 (FP8 e4m3 bytes)"}
+_ITEM_BYTES = {"bfloat16": 2, "float16": 2, "uint8": 1}
 _ALIGN_BYTES = 16  # kernels move 16-byte vectors: row starts must be 16-byte aligned
 _MAX_GRID_YZ = 65535  # heads and batch are grid dimensions y and z
 _MAX_SEQLEN = 2 ** 30 - 1  # the kernels' mask arithmetic (row + diag + right) stays in int32 below 2^30
@@ -32,25 +35,26 @@ def _shape_str(spec: Spec) -> str:
     return "(" + ", ".join(str(s) for s in spec.shape) + ")"
 
 
-def check_layout(spec: Spec, packed: bool = False) -> None:
+def check_layout(spec: Spec, packed: bool = False, dtypes: tuple = FLOAT16_DTYPES) -> None:
     """Rank 4 (batch, seqlen, heads, headdim) — or 3 (total_tokens, heads, headdim) when ``packed`` —
-    fp16/bf16, last dim contiguous, 16-byte aligned rows."""
+    a dtype of ``dtypes`` (FLOAT16_DTYPES, or FP8_DTYPES for FP8 attention), last dim contiguous, 16-byte
+    aligned rows."""
     rank, what = (3, "(total_tokens, heads, headdim)") if packed else (4, "(batch, seqlen, heads, headdim)")
     if len(spec.shape) != rank:
         raise ValueError(f"{spec.name} must have {rank} dimensions {what}; got shape {_shape_str(spec)}")
-    if spec.dtype not in FLOAT16_DTYPES:
-        raise TypeError(f"{spec.name} must be float16 or bfloat16; got {spec.dtype}")
+    if spec.dtype not in dtypes:
+        raise TypeError(f"{spec.name} must be {_DTYPES_WANTED[dtypes]}; got {spec.dtype}")
     if spec.shape[-1] > 1 and spec.strides[-1] != 1:
         raise ValueError(
             f"{spec.name}'s last dimension (headdim) must be contiguous (stride 1); got strides "
             f"{spec.strides} in elements. Make it contiguous first (cupy.ascontiguousarray / .contiguous())."
         )
-    item = 2
+    item = _ITEM_BYTES[spec.dtype]
     axes = ((0, "tokens"), (1, "heads")) if packed else ((0, "batch"), (1, "seqlen"), (2, "heads"))
     for axis, what in axes:
         if spec.shape[axis] > 1 and (spec.strides[axis] * item) % _ALIGN_BYTES:
             raise ValueError(
-                f"{spec.name}'s {what} stride must be a multiple of 16 bytes (8 elements); got "
+                f"{spec.name}'s {what} stride must be a multiple of 16 bytes ({_ALIGN_BYTES // item} elements); got "
                 f"{spec.strides[axis]} elements (strides {spec.strides}). Make it contiguous first."
             )
     if spec.ptr % _ALIGN_BYTES:
@@ -67,9 +71,9 @@ def check_same_device(specs: list[Spec]) -> None:
             raise ValueError(f"{s.name} is on CUDA device {s.device} but {first.name} is on device {first.device}")
 
 
-def check_qkv(q: Spec, k: Spec, v: Spec) -> Dims:
+def check_qkv(q: Spec, k: Spec, v: Spec, dtypes: tuple = FLOAT16_DTYPES) -> Dims:
     for s in (q, k, v):
-        check_layout(s)
+        check_layout(s, dtypes=dtypes)
     check_same_device([q, k, v])
     for s in (k, v):
         if s.dtype != q.dtype:

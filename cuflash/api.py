@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from . import _validate, fa1, fa2, fa3
+from . import _validate, fa1, fa2, fa3, fp8_attention
 from ._interop import Call
 from .heuristics import IMPL_PREFERENCE
 
@@ -187,7 +187,8 @@ def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax
 
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
-                    impl="auto"):
+                    impl="auto", q_descale=None, k_descale=None, v_descale=None, fp8_format=None,
+                    descale_block=(128, 128)):
     """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
 
     Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
@@ -201,9 +202,28 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     based), so the backward regenerates it from the same seed and offset and a seed reproduces it;
     ``cuflash.reference.dropout_mask`` computes it. ``impl``: "fa1", "fa2", "fa3" (Hopper) or "auto"
     (the fastest implementation that supports the call on this GPU).
+
+    FP8 (forward only, FA3's Hopper kernel, sm_90a): q, k and v all e4m3, as uint8 arrays of OCP
+    float8_e4m3fn bytes with ``fp8_format="e4m3"`` (the only format), or as torch ``float8_e4m3fn`` tensors
+    (viewed as uint8 for you: CuPy and DLPack cannot carry fp8). ``cuflash.fp8.quantize`` writes the bytes
+    and their scales. ``q_descale``: float32 (batch, heads, nq); ``k_descale``, ``v_descale``: float32
+    (batch, kv_heads, nk); None = 1.0. n is 1 (one scale per batch entry and head) or ceil(seqlen /
+    block) with ``descale_block=(q_block, kv_block)``: query row i is e4m3(q[b, i, h]) * q_descale[b, h,
+    i // q_block], key j likewise with kv_block, which must be a multiple of 128 (the kernel's key tile)
+    when nk > 1. The scores are softmax_scale * (dequantised q) (dequantised k)^T; P is rounded to e4m3
+    for the product with V. Returns bfloat16 out (batch, seqlen_q, heads, headdim) and, with
+    ``return_lse=True``, the fp32 LSE. Head dims 64, 128, 256; causal and GQA/MQA; no window_size,
+    softcap, alibi_slopes or dropout; ``impl`` "auto" or "fa3". ``cuflash.reference.attention_fp8_ref``
+    is the reference.
     """
     import cupy
 
+    if fp8_attention.is_fp8_call(q, k, v, q_descale, k_descale, v_descale, fp8_format, descale_block):
+        return fp8_attention.forward(
+            q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fp8_format=fp8_format,
+            descale_block=descale_block, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_offset=dropout_offset, return_lse=return_lse, impl=impl)
     arrays = [("q", q), ("k", k), ("v", v)] + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else [])
     with Call(arrays) as call:
         qs, ks, vs = call.specs[:3]

@@ -2,8 +2,8 @@
 
 Public: ``cuflash.fp8.quantize`` and ``cuflash.fp8.hadamard_signs``. The kernel is kernels_cu/fp8/quantize.cu
 (sm_89 and newer: it converts with ``cvt.rn.satfinite.e4m3x2.f32``); its top comment describes the work
-split. ``cuflash.reference.fp8_quantize`` is the NumPy reference. The FP8 attention kernel itself is not
-written yet: this module prepares its inputs.
+split. ``cuflash.reference.fp8_quantize`` is the NumPy reference. ``cuflash.flash_attn_func`` takes its
+output (``fp8_format="e4m3"`` and the descales; cuflash/fp8_attention.py).
 """
 from __future__ import annotations
 
@@ -241,7 +241,8 @@ def quantize(x, *, block=128, hadamard=True, seed=0, fp8_format="e4m3"):
        (out_rot @ H_d / sqrt(d) * s, see ``hadamard_signs``).
 
     Scores are then softmax_scale * (fp8(q_data) fp8(k_data)^T) * q_descale[row block] * k_descale[key
-    block]. The FP8 attention kernel that consumes these is not written yet. ``fp8_format``: "e4m3" only
+    block]: pass ``data`` and ``descale`` to ``cuflash.flash_attn_func(..., q_descale=, k_descale=, v_descale=,
+    fp8_format="e4m3", descale_block=(q block, k/v block))``. ``fp8_format``: "e4m3" only
     (OCP float8_e4m3fn). Bad arguments raise ValueError/TypeError naming the argument before any kernel
     runs. The rotation is computed in fp32 as a fast Walsh-Hadamard transform;
     ``cuflash.reference.fp8_quantize`` is the NumPy reference.

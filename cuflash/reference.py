@@ -79,6 +79,7 @@ __all__ = [
     "combine_ref",
     "decode_split_tiles",
     "decode_split_model",
+    "attention_fp8_ref",
 ]
 
 
@@ -1063,11 +1064,38 @@ def e4m3_bits(x):
     return numpy.clip(x, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn).view(numpy.uint8)
 
 
-def e4m3_values(bits):
-    """uint8 e4m3 bit patterns -> float32 values."""
-    import ml_dtypes
+def e4m3_table():
+    """The 256 values of OCP float8_e4m3fn, float64, indexed by the bit pattern, from the format's definition:
+    1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent field 0 holds the subnormals m/8 * 2^-6
+    (and +-0); 0x7F and 0xFF are NaN; no infinities, so exponent field 15 holds finite values up to 448."""
+    bits = numpy.arange(256)
+    exponent, mantissa = (bits >> 3) & 0xF, (bits & 0x7).astype(numpy.float64)
+    magnitude = numpy.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * numpy.exp2(exponent - 7.0))
+    magnitude[(bits & 0x7F) == 0x7F] = numpy.nan
+    return numpy.where(bits & 0x80, -magnitude, magnitude)
 
-    return numpy.asarray(bits, dtype=numpy.uint8).view(ml_dtypes.float8_e4m3fn).astype(numpy.float32)
+
+def _e4m3_lookup(bits, dtype, xp):
+    """``e4m3_table`` values of uint8 ``bits`` in ``dtype`` (the index widened first: every CuPy version takes
+    a signed index array)."""
+    return xp.asarray(e4m3_table(), dtype=dtype)[xp.asarray(bits, dtype=xp.uint8).astype(xp.intp)]
+
+
+def e4m3_values(bits):
+    """uint8 e4m3 bit patterns -> float32 values (NumPy or CuPy, like ``bits``), through ``e4m3_table``."""
+    xp = _get_xp(bits)
+    return _e4m3_lookup(bits, xp.float32, xp)
+
+
+def round_e4m3(x):
+    """Values rounded to the nearest e4m3 value, ties to even, saturating to +-448 (``cvt.rn.satfinite``);
+    NumPy or CuPy, in x's float dtype. In [2^e, 2^(e+1)), e >= -6, e4m3 values are 2^(e-3) apart (3 mantissa
+    bits), below 2^-6 (subnormals) 2^-9 apart; x / step is exact, and rint's ties-to-even on it is even in
+    the last mantissa bit."""
+    xp = _get_xp(x)
+    _, e = xp.frexp(x)  # |x| in [2^(e-1), 2^e)
+    step = xp.ldexp(xp.ones_like(x), xp.maximum(e - 1, -6) - 3)
+    return xp.clip(xp.rint(x / step) * step, -448.0, 448.0)
 
 
 def e4m3_ulp_distance(a, b):
@@ -1145,7 +1173,54 @@ def fp8_dequantize(data, descale, block=128, hadamard=True, seed=0):
     """float64 x back from ``fp8_quantize``'s / ``cuflash.fp8.quantize``'s output: e4m3 values times their
     group's descale, then the rotation undone (``hadamard_rotate(..., inverse=True)``)."""
     data, descale = _to_numpy(data), _to_numpy(descale)
-    s = data.shape[1]
-    blk = s if block is None else min(int(block), s)
-    x_rot = e4m3_values(data).astype(numpy.float64) * _per_row(descale.astype(numpy.float64), blk, s)
+    x_rot = _dequantize_e4m3(data, descale, data.shape[1] if block is None else int(block), numpy.float64)
     return hadamard_rotate(x_rot, seed, inverse=True) if hadamard else x_rot
+
+
+def _dequantize_e4m3(data, descale, block, dtype):
+    """e4m3 bytes (batch, seqlen, heads, d) times their descale (batch, heads, n), in ``dtype``: n == 1 is one
+    scale per (batch, head), else row i takes entry i // block and n must be ceil(seqlen / block)."""
+    xp = _get_xp(data, descale)
+    b, s, h, _ = data.shape
+    n = -(-s // block)
+    if descale.shape[:2] != (b, h) or descale.ndim != 3 or descale.shape[2] not in (1, n):
+        raise ValueError(f"descale must be (batch, heads, 1) or (batch, heads, ceil(seqlen / block)) = {(b, h, n)} "
+                         f"for data {data.shape} and block {block}; got {descale.shape}")
+    rows = xp.arange(s) // block if descale.shape[2] > 1 else xp.zeros(s, dtype=xp.int64)
+    per_row = xp.asarray(descale).astype(dtype)[:, :, rows].transpose(0, 2, 1)[..., None]  # (b, s, h, 1)
+    return _e4m3_lookup(data, dtype, xp) * per_row
+
+
+def attention_fp8_ref(q_data, k_data, v_data, q_descale, k_descale, v_descale, *, descale_block=(128, 128),
+                      causal=False, softmax_scale=None, round_p=False, compute_dtype="float64"):
+    """Attention of FP8 inputs as ``flash_attn_func(..., fp8_format="e4m3")`` defines it, on NumPy or CuPy
+    arrays: q, k, v dequantised exactly (``e4m3_table`` values times their descale: q_descale (batch, heads,
+    nq), k/v_descale (batch, kv_heads, nk), n == 1 or one entry per ``descale_block`` rows/keys), then
+    ``attention_ref`` in ``compute_dtype``. Causal is bottom-right aligned; GQA/MQA as everywhere.
+
+    ``round_p=True`` models the kernel's one further rounding: the unnormalised probabilities exp(s - m),
+    m the row maximum, rounded to e4m3 (``round_e4m3``) before the product with V, the row sum taken over
+    the unrounded values (the kernel sums P in fp32 before converting it). The kernel's running maximum
+    differs from the final m only by the factor the online softmax rescales by, so the model has the
+    kernel's kind and size of error, not its exact bits.
+
+    Returns ``out`` (batch, seqlen_q, heads, d) and ``lse`` (batch, heads, seqlen_q) in ``compute_dtype``
+    (lse is the unrounded one in both modes).
+    """
+    xp = _get_xp(q_data, k_data, v_data)
+    dtype = _as_dtype(compute_dtype)
+    q_block, kv_block = (int(b) for b in descale_block)
+    q = _dequantize_e4m3(q_data, q_descale, q_block, dtype)
+    k = _dequantize_e4m3(k_data, k_descale, kv_block, dtype)
+    v = _dequantize_e4m3(v_data, v_descale, kv_block, dtype)
+    if not round_p:
+        return attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale, compute_dtype=compute_dtype)
+    sq = q.shape[1]
+    p, lse, _, _, _ = _forward_probs(q, k, causal=causal, softmax_scale=softmax_scale, window_size=(-1, -1),
+                                     dtype=dtype)
+    # p = exp(s - lse); its row maximum exp(m - lse) is 1 / sum(exp(s - m)), so exp(s - m) = p / p_max and
+    # out = sum(e4m3(exp(s - m)) v) * p_max. Rows that see no key have p = 0 and keep out = 0.
+    p_max = p.max(axis=-1, keepdims=True)
+    p8 = round_e4m3(p / xp.where(p_max > 0, p_max, dtype.type(1))) * p_max
+    o = xp.matmul(p8, v.transpose(0, 2, 1, 3))
+    return _merge_heads(o, sq), _lse_layout(lse, sq)

@@ -1,0 +1,215 @@
+"""GPU tier of FP8 attention: ``flash_attn_func`` on e4m3 inputs (FA3's FP8 kernel, ``fa3.forward_fp8``).
+
+Inputs: N(0, 1) bf16 q, k, v quantised by ``cuflash.fp8.quantize`` -- q and k rotated with one seed (their
+dot products are unchanged), v not -- with the descales per block or per tensor. Every CuPy allocation
+starts as NaN bytes (``poison_allocations``), so an output element the kernel does not write fails.
+
+Tolerance. The reference, ``reference.attention_fp8_ref``, runs in fp64 on the same bytes and descales, so
+the quantisation of the inputs is not part of the difference; what is left is the kernel's own arithmetic:
+
+  (a) the scores: products of e4m3 values are exact, their sums go through the FP8 tensor cores'
+      accumulator. Even if it keeps only about 14 bits (what the DeepSeek-V3 report measured on Hopper)
+      over d / 32 wgmma k-steps, the scaled scores here (|s| <~ 10 summed over |products|) move by at most
+      ~5e-3, and by far less in practice; softmax turns a score error e into a relative weight error e;
+  (b) P rounded to e4m3 for the PV product: up to 2^-4 relative per element (3 mantissa bits), the
+      largest term, averaged over the keys of a row;
+  (c) the output rounded to bf16: 2^-9 relative.
+
+The model -- ``attention_fp8_ref(..., round_p=True)``, which rounds exp(s - max) to e4m3 before the
+product with V, rounded to bf16 -- has (b) and (c). By FlashAttention's rule the kernel may be at most
+twice as wrong as that model, plus atol = 1e-2 for (a), which the model leaves out (twice its bound).
+The kernel rounds P against the running row maximum rather than the final one, which moves where the
+roundings fall but not their size: the factor 2 covers that. The LSE does not see (b) or (c); it is
+1-Lipschitz in the scores, so (a) bounds it: atol 1e-2 as well.
+
+The accuracy test of issue 9 (point 4) compares with an fp64 reference on the unquantised inputs
+instead and prints the RMSE of block scaling + Hadamard and of per-tensor scaling without rotation
+(``pytest -s`` shows the numbers).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import api, fa3, fp8
+from cuflash import reference as ref
+from gpu_checks import inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_allocations")]
+
+OUT_ATOL = 1e-2
+LSE_ATOL = 1e-2
+SEED = 7  # the Hadamard signs' seed, the same for q and k
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    from cuflash._device import compute_capability, has_gpu
+
+    if not has_gpu():
+        pytest.skip("no CUDA GPU")
+    why = api._supports_arch(fa3, compute_capability())
+    if why is not None:
+        pytest.skip(f"FP8 attention runs on FA3's Hopper kernel: {why}")
+
+
+def quantised(q, k, v, q_block, k_block, v_block):
+    """(q, k, v) e4m3 bytes and (q, k, v) descales from cuflash.fp8.quantize; block None: one scale per
+    (batch, head)."""
+    qd, qs = fp8.quantize(q, block=q_block, hadamard=True, seed=SEED)
+    kd, ks = fp8.quantize(k, block=k_block, hadamard=True, seed=SEED)
+    vd, vs = fp8.quantize(v, block=v_block, hadamard=False)
+    return (qd, kd, vd), (qs, ks, vs)
+
+
+def descale_block(q_block, k_block, v_block):
+    """The descale_block argument for these quantiser blocks (a per-tensor descale ignores its entry)."""
+    return (q_block or 128, k_block or v_block or 128)
+
+
+def check(data, descales, blocks, causal, out=None, lse=None):
+    """The kernel's (out, lse) -- computed here unless given -- against the fp64 reference of the same bytes."""
+    import cupy
+
+    if out is None:
+        out, lse = cuflash.flash_attn_func(*data, q_descale=descales[0], k_descale=descales[1],
+                                           v_descale=descales[2], fp8_format="e4m3", descale_block=blocks,
+                                           causal=causal, return_lse=True)
+    b, sq, h, d = data[0].shape
+    assert str(out.dtype).endswith("bfloat16") and tuple(out.shape) == (b, sq, h, d)
+    assert str(lse.dtype).endswith("float32") and tuple(lse.shape) == (b, h, sq)
+    o_ref, lse_ref = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=causal)
+    o_model, _ = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=causal, round_p=True)
+    o_model = o_model.astype(cupy.float32).astype("bfloat16")
+    ref.check_close("out", out, o_ref, o_model, atol=OUT_ATOL)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=LSE_ATOL)
+
+
+SEQLENS = [(1, 1), (113, 239), (239, 113), (1023, 1023), (1, 1023), (1023, 1)]
+
+
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=[f"sq{a}-sk{b}" for a, b in SEQLENS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward(d, causal, seqlens):
+    sq, sk = seqlens
+    q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 4, 2, d, "bfloat16")
+    data, descales = quantised(q, k, v, 128, 128, 128)
+    check(data, descales, (128, 128), causal)
+
+
+@pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239)], ids=["sq239-sk1023", "sq1023-sk239"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_gqa_mqa(kv_heads, causal, seqlens):
+    sq, sk = seqlens
+    q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 8, kv_heads, 128, "bfloat16")
+    data, descales = quantised(q, k, v, 128, 128, 128)
+    check(data, descales, (128, 128), causal)
+
+
+BLOCKS = [
+    # (q block, k block, v block) of the quantiser; None: one scale per (batch, head)
+    (128, 128, 128), (64, 128, 128), (64, 256, 256), (128, 256, 256), (1, 128, 128),
+    (None, None, None), (64, None, None), (None, 256, None), (128, None, 128),
+]
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=["q{}-k{}-v{}".format(*b) for b in BLOCKS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_descale_blocks(causal, blocks):
+    q, k, v = inputs(np.random.default_rng(), 2, 239, 1023, 4, 2, 128, "bfloat16")
+    data, descales = quantised(q, k, v, *blocks)
+    check(data, descales, descale_block(*blocks), causal)
+
+
+def test_strided_inputs_and_descales():
+    """Every other head of quantised q, k, v (strided views) with the matching, non-contiguous descales."""
+    q, k, v = inputs(np.random.default_rng(), 2, 239, 400, 8, 4, 128, "bfloat16")
+    (qd, kd, vd), (qs, ks, vs) = quantised(q, k, v, 64, 128, 128)
+    data = (qd[:, :, ::2], kd[:, :, ::2], vd[:, :, ::2])
+    assert not data[0].flags.c_contiguous
+    check(data, (qs[:, ::2], ks[:, ::2], vs[:, ::2]), (64, 128), True)
+
+
+def test_torch_float8_e4m3fn_inputs():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this torch has no CUDA")
+    import cupy
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn((2, n, hh, 128), generator=gen, device="cuda", dtype=torch.bfloat16)
+               for n, hh in ((239, 8), (1023, 2), (1023, 2)))
+    data, descales = quantised(q, k, v, 128, 128, 128)
+    f8 = [x.view(torch.float8_e4m3fn) for x in data]
+    out, lse = cuflash.flash_attn_func(*f8, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                                       causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and isinstance(lse, torch.Tensor)
+    torch.cuda.synchronize()
+    check([cupy.from_dlpack(x) for x in data], [cupy.from_dlpack(x) for x in descales], (128, 128), True,
+          out=cupy.from_dlpack(out), lse=cupy.from_dlpack(lse))
+
+
+def test_per_tensor_descale_of_one_is_the_default():
+    """None means 1.0: a call without descales equals one with descales of ones."""
+    import cupy
+
+    q, k, v = inputs(np.random.default_rng(), 1, 113, 239, 4, 4, 64, "bfloat16")
+    (qd, kd, vd), _ = quantised(q, k, v, None, None, None)
+    ones = cupy.ones((1, 4, 1), cupy.float32)
+    plain = cuflash.flash_attn_func(qd, kd, vd, fp8_format="e4m3")
+    given = cuflash.flash_attn_func(qd, kd, vd, fp8_format="e4m3", q_descale=ones, k_descale=ones, v_descale=ones)
+    assert bool(cupy.array_equal(plain.view(cupy.uint16), given.view(cupy.uint16)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# accuracy on inputs with outliers (issue 9, point 4)
+# ----------------------------------------------------------------------------------------------------
+
+FA3_BLOCK_HADAMARD_RMSE = 9.1e-3  # FlashAttention-3's figure for block quantisation + incoherent processing
+PER_TENSOR_LOOSE_BOUND = 0.1  # FA3 measured 2.4e-2; this only catches a broken path
+
+
+def outlier_input(rng, shape):
+    """N(0, 1) with 0.1 % of the entries given an extra N(0, 10^2), in bf16 on the GPU."""
+    import cupy
+
+    x = rng.standard_normal(shape)
+    hit = rng.random(shape) < 1e-3
+    x[hit] += rng.standard_normal(int(hit.sum())) * 10
+    return cupy.asarray(x.astype(np.float32)).astype("bfloat16")
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_accuracy_with_outliers(d):
+    """RMSE of the output against fp64 attention of the unquantised inputs (the bf16 tensors the quantiser
+    reads): block scaling (128) with the Hadamard rotation of q and k within FA3's 9.1e-3; per-tensor
+    scaling without rotation reported, and only loosely bounded."""
+    import cupy
+
+    rng = np.random.default_rng(d)
+    b, s, h = 2, 2048, 8
+    q, k, v = (outlier_input(rng, (b, s, h, d)) for _ in range(3))
+    want, _ = ref.attention_ref(q, k, v, compute_dtype="float64")
+
+    def rmse(out):
+        return float(cupy.sqrt(cupy.mean((out.astype(cupy.float64) - want) ** 2)))
+
+    def fp8_rmse(block, hadamard):
+        qd, qs = fp8.quantize(q, block=block, hadamard=hadamard, seed=SEED)
+        kd, ks = fp8.quantize(k, block=block, hadamard=hadamard, seed=SEED)
+        vd, vs = fp8.quantize(v, block=block, hadamard=False)
+        out = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                      descale_block=(block or 128, block or 128))
+        return rmse(out)
+
+    block_hadamard = fp8_rmse(128, True)
+    per_tensor = fp8_rmse(None, False)
+    bf16 = rmse(cuflash.flash_attn_func(q, k, v))
+    print(f"\nFP8 attention RMSE vs fp64, d={d}, batch {b}, seqlen {s}, heads {h}, N(0,1) + 0.1% N(0,10^2) outliers: "
+          f"block 128 + Hadamard {block_hadamard:.2e}; per tensor, no rotation {per_tensor:.2e}; "
+          f"bf16 flash_attn_func {bf16:.2e}")
+    assert block_hadamard <= FA3_BLOCK_HADAMARD_RMSE
+    assert per_tensor <= PER_TENSOR_LOOSE_BOUND
