@@ -91,28 +91,35 @@ def test_fa2_uses_tensor_cores_and_cp_async(report):
 
 
 def test_fa3_uses_hopper_hardware(report):
-    """FA3 variants (sm_90a only): wgmma (HGMMA), TMA loads (UTMALDG), the warpgroup register split
-    (USETMAXREG); no spills and no advisory that serialises wgmma (checked by problems())."""
+    """FA3 attention variants (sm_90a only): wgmma (HGMMA; QGMMA, and no HGMMA, in the FP8 forward), TMA
+    loads (UTMALDG), the warpgroup register split (USETMAXREG); no spills and no advisory that serialises
+    wgmma (checked by problems()). The FP8 forward's V transpose pre-pass is a plain kernel."""
     arch, _, rows, _ = report
-    fa3_rows = [r for r in rows if r["family"] == "fa3"]
+    fa3_rows = [r for r in rows if r["family"] == "fa3" and r["kernel"] != "fp8_transpose_v"]
     if arch != "sm_90a":
         assert not fa3_rows
         return
-    assert fa3_rows
+    fp8_rows = [r for r in fa3_rows if "fp8=1" in r["name"]]
+    assert fa3_rows and len(fp8_rows) == 3  # FP8 forward: head dims 64, 128, 256
     for r in fa3_rows:
         ops = r["opcodes"]
-        assert ops["HGMMA"] > 0 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
+        gemms = ops["QGMMA"] if r in fp8_rows else ops["HGMMA"]
+        assert gemms > 0 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
+    for r in fp8_rows:
+        assert r["opcodes"]["HGMMA"] == 0 and r["opcodes"]["F2FP.SATFINITE.E4M3"] > 0, r["name"]
 
 
-@pytest.mark.parametrize("headdim, softcap, varlen, pack", [
-    (64, False, False, False), (96, False, False, False), (128, False, False, False), (128, True, False, False),
-    (128, False, True, False), (128, False, False, True), (192, False, False, False), (256, False, False, False),
-    (256, True, False, True)])
-def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack):
+@pytest.mark.parametrize("headdim, softcap, varlen, pack, fp8", [
+    (64, False, False, False, False), (96, False, False, False, False), (128, False, False, False, False),
+    (128, True, False, False, False), (128, False, True, False, False), (128, False, False, True, False),
+    (192, False, False, False, False), (256, False, False, False, False), (256, True, False, True, False),
+    (64, False, False, False, True), (128, False, False, False, True)])
+def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8):
     """The FA3 main loop issues S_n = Q K_n^T and O += P_{n-1} V_{n-1}, waits for S_n only
     (WARPGROUP.DEPBAR.LE gsb0, 0x1), computes the softmax (MUFU.EX2) while the P V GEMM runs, and only
     then waits for it (DEPBAR ... 0x0). ptxas is free to hoist that last wait above the exponentials (it
-    did, until the wait moved behind the rescale branch), which silently serialises the loop."""
+    did, until the wait moved behind the rescale branch), which silently serialises the loop. (FP8 at
+    d = 256 runs without this overlap on purpose: heuristics.FA3_FP8_TILES.)"""
     import re
 
     from cuflash import fa3
@@ -121,7 +128,7 @@ def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack):
     tool = compile_report.find_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack), "sm_90a").cubin
+    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack, fp8), "sm_90a").cubin
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
