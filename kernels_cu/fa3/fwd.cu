@@ -19,7 +19,7 @@
 // twice the bf16 rate). FP8 wgmma reads shared-memory operands K-major only, so V arrives transposed, as
 // V^T [d][keys] tiles written by a pre-pass (fa3/fp8_transpose_v.cu) in the key order that lets P go from
 // the S accumulator to 8-bit A fragments without shuffles (acc_to_a_frags_fp8). Descale factors: a query
-// row's (per Q block) and a K tile's (per K block) multiply the logits through the per-row softmax scale;
+// row's (per Q block) and a K tile's (per K block) multiply S into logits (one factor per row and tile);
 // V's (per V block) is kept out of the accumulation by holding O in units of the current tile's V descale
 // (O *= alpha vs_{n-1} / vs_n at each rescale) and applying the last one with 1 / l. O is bf16.
 //
@@ -131,8 +131,8 @@ __device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[PV
 }
 
 // Running max and exp-sum of this thread's two rows. Logits x are S (or tanh(S softcap_pre) with
-// softcap), P = 2^(x scale_log2 - m) with the row max m kept in log2 units (x scale_log2), so the scale
-// may change from tile to tile (FP8: times the K tile's descale): cuflash/_params.logit_scales.
+// softcap; FP8: S times the Q and K descales), P = 2^(x scale_log2 - m scale_log2):
+// cuflash/_params.logit_scales.
 struct OnlineSoftmax {
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
 
@@ -155,14 +155,26 @@ struct OnlineSoftmax {
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float tile_max = neg_inf();
+            // FP8: S times the row's Q descale and the tile's K descale is the logit (qk); the max of a row
+            // is kept in logit units across tiles whose descales differ.
+            const float qk = FP8 ? row_scale[r] * tile_scale : 1.f;
+            float mx;
+            if constexpr (FP8) {
+                float tile_max = neg_inf();
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) tile_max = fmaxf(tile_max, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-            const float scale_log2 = row_scale[r] * tile_scale;
-            const float mx = fmaxf(row_max[r], quad_max(tile_max) * scale_log2);
-            const float base = mx == neg_inf() ? 0.f : mx;
-            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] - base);
+                for (int j = 0; j < BN / 8; ++j)
+                    tile_max = fmaxf(tile_max, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+                mx = fmaxf(row_max[r], quad_max(tile_max) * qk);
+            } else {  // (this form, not the one above, keeps bf16 d = 256 softcap varlen free of spills)
+                mx = row_max[r];
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+                mx = quad_max(mx);
+            }
+            const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
+            alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * p.scale_log2 - base);
             row_max[r] = mx;
+            const float scale_log2 = p.scale_log2 * qk;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
@@ -189,8 +201,8 @@ struct OnlineSoftmax {
     }
 };
 
-// O o_scale / l straight from the accumulator (o_scale: FP8's last V descale, else 1) and LSE = (m +
-// log2 l) ln 2; rows past the end of the sequence skipped (in a packed batch they belong to the next one).
+// O o_scale / l straight from the accumulator (o_scale: FP8's last V descale, else 1) and LSE = (m scale
+// log2 e + log2 l) ln 2; rows past the end of the sequence skipped (in a packed batch they belong to the next one).
 // Rows count from seq.q_start.
 __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float (&o)[OD / 2], const OnlineSoftmax& sm,
                                              float o_scale, const SeqInfo& seq, const int (&qrow)[2],
@@ -208,7 +220,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
             *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         if (q4 == 0)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
-                l > 0.f ? (sm.row_max[r] + log2f(l)) * 0.69314718055994531f : neg_inf();
+                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
     }
 }
 
@@ -236,7 +248,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
         const int global_row = m64 * 64 + row;
         if (q4 == 0 && global_row < p.seqlen_q)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
-                l > 0.f ? (sm.row_max[r] + log2f(l)) * 0.69314718055994531f : neg_inf();
+                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
     }
     fence_async_smem();
     named_sync(EPILOGUE_BAR + c, 128);
@@ -390,13 +402,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             store_output(p, o, softmax, 1.f, seq, qrow, qhead, q4, tile.batch);
             continue;
         }
-        // Logits -> log2 units for this thread's rows (FP8: times the row's Q descale, and per tile the K
-        // tile's); FP8's V descale of the tile whose units O is in.
+        // FP8: the Q descale of this thread's rows, the K descale of a tile, and the V descale of the tile
+        // whose units O is in.
         const int kv_head = PACK_GQA ? tile.head : tile.head / group;
         float row_scale[2];
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-            row_scale[r] = FP8 ? p.scale_log2 * q_descale(p, tile.batch, qhead[r], qrow[r]) : p.scale_log2;
+        for (int r = 0; r < 2; ++r) row_scale[r] = FP8 ? q_descale(p, tile.batch, qhead[r], qrow[r]) : 1.f;
         auto k_scale = [&](int n) { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f; };
         float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
         mbar_wait(&sm.q_full, q_iter++ & 1);
