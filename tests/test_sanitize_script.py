@@ -5,6 +5,7 @@ calls the public API accepts (run on Spec records up to the kernel launch), and 
 checks pass the reference and fail a wrong answer (NumPy standing in for the kernels where needed)."""
 import importlib.util
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -37,11 +38,21 @@ CANNED = {
          'to cuGetProcAddress_v2.',
          '========= Program hit CUDA_ERROR_ILLEGAL_ADDRESS (error 700) on CUDA API call to cuMemcpyDtoH.',
          "========= ERROR SUMMARY: 2 errors"]),
+    ("memcheck", "probes+crash"): "\n".join(
+        ['========= Program hit CUDA_ERROR_INVALID_VALUE (error 1) due to "invalid argument" on CUDA API call '
+         'to cuGetProcAddress_v2.', "Traceback (most recent call last):", "RuntimeError: the driver failed",
+         "========= ERROR SUMMARY: 1 error"]),
     ("racecheck", "clean"): "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)",
     ("racecheck", "race"): "========= Error: Race reported between Write access at f+0x10\n"
                            "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)",
     ("racecheck", "silent"): "nothing",
 }
+
+
+def _exit_code(text: str) -> int:
+    """What the real sanitizer returns with --error-exitcode 1: 1 when it counted any error (cuda.bindings'
+    API probes included) or the program failed."""
+    return 1 if re.search(r"\(?[1-9][0-9]* error", text) or "Traceback" in text else 0
 
 
 @pytest.fixture
@@ -51,7 +62,7 @@ def fake_sanitizer(tmp_path):
              'tool=$2; fam=${@: -1}', 'case "$tool $fam" in']
     for (tool, fam), text in CANNED.items():
         quoted = text.replace("'", "'\\''")
-        lines.append(f"  '{tool} {fam}') printf '%s\\n' '{quoted}' ;;")
+        lines.append(f"  '{tool} {fam}') printf '%s\\n' '{quoted}'; exit {_exit_code(text)} ;;")
     lines += ["esac", "exit 0"]
     script.write_text("\n".join(lines) + "\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -70,6 +81,7 @@ def _run(fake_sanitizer, tmp_path, tool, family):
     ("memcheck", "clean", "clean", True),
     ("memcheck", "oob", "1 ERROR(S)", False),
     ("memcheck", "probes", "clean", True),  # cuda.bindings' cuGetProcAddress probes are not errors
+    ("memcheck", "probes+crash", "FAILED (exit 1)", False),
     ("memcheck", "probes+api", "1 ERROR(S) (1 CUDA API)", False),
     ("racecheck", "clean", "clean", True),
     ("racecheck", "race", "1 ERROR(S)", False),
