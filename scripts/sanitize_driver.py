@@ -17,8 +17,10 @@ one-key suffixes, 3 causal queries on a contiguous one, head dim 256 under a 100
 cut into chunks for the prefill kernels; see _cascade_cases). The family "fp8" runs fp8.quantize on every
 head dim with the rotation on and off, block 1, 64, 128 and None over 77 and 300 rows (None over 300: the
 two-launch amax + convert path), block 200 (that path with an empty tile), a strided x and fp16 (see
-_fp8_cases). CuPy's memory pool is switched off, so every array is its own cudaMalloc of exactly its
-size: memcheck then sees a read past the end of an input, and initcheck sees a read of memory nobody
+_fp8_cases). The family "fa3-fp8" runs the FP8 forward (flash_attn_func on e4m3 inputs: the V transpose
+and the kernel) on every head dim, causal and not, Sq != Sk both ways, GQA and MQA, per-block and
+per-(batch, head) descales and one query row (see _fa3_fp8_cases). CuPy's memory pool is switched off,
+so every array is its own cudaMalloc of exactly its size: memcheck then sees a read past the end of an input, and initcheck sees a read of memory nobody
 wrote (a pool would hand out memory written before). Without --check nothing but the family's own work
 runs on the GPU: its kernels, CuPy's input casts, and what the function itself runs through CuPy
 (cascade_attention's copies of the queries per prefix chunk, chunk offsets and casts of the partial
@@ -53,6 +55,8 @@ def _families():
         out += ["decode", "cascade"]
     if _fp8_available():
         out.append("fp8")
+    if _fp8_attention_available():
+        out.append("fa3-fp8")
     return out
 
 
@@ -70,6 +74,14 @@ def _fp8_available():
     from cuflash._device import compute_capability, has_gpu
 
     return has_gpu() and compute_capability() >= fp8.MIN_CC
+
+
+def _fp8_attention_available():
+    """What flash_attn_func's FP8 path asks of the GPU: the FA3 kernels' arch (sm_90a)."""
+    from cuflash import api, fa3
+    from cuflash._device import compute_capability, has_gpu
+
+    return has_gpu() and api._supports_arch(fa3, compute_capability()) is None
 
 
 def _cases(name, direction):
@@ -543,6 +555,54 @@ def _run_fp8(c, rng, check):
     return "ok"
 
 
+def _fa3_fp8_cases():
+    """The FP8 forward (flash_attn_func on e4m3 inputs, with its V transpose pre-pass): every head dim,
+    causal and not, 77 x 133 and 133 x 77, GQA 4 on 2, per-block descales (Q 64, K/V 128: the last block of
+    each short); then per-(batch, head) descales with K/V blocks of 256 keys on MQA, and one query row."""
+    cases = [dict(b=2, sq=sq, sk=sk, h=4, hkv=2, d=d, causal=causal, blocks=(64, 128))
+             for d in (64, 128, 256) for causal in (False, True) for sq, sk in ((77, 133), (133, 77))]
+    return cases + [dict(b=1, sq=133, sk=300, h=4, hkv=1, d=128, causal=True, blocks=(None, None)),
+                    dict(b=2, sq=1, sk=300, h=4, hkv=2, d=256, causal=False, blocks=(128, 256))]
+
+
+def _describe_fa3_fp8(c):
+    return (f"d={c['d']} e4m3 {c['sq']}x{c['sk']} b={c['b']} h={c['h']}/{c['hkv']} causal={c['causal']} "
+            f"blocks={c['blocks']}")
+
+
+def _run_fa3_fp8(c, rng, check):
+    """Quantise bf16 inputs (cuflash.fp8.quantize, outside what the case checks) and run the FP8 forward;
+    with check, compare with reference.attention_fp8_ref as tests/test_fp8_attention_gpu.py does (the
+    model with P rounded to e4m3 sets the tolerance, atol 1e-2 on out and LSE)."""
+    import cupy
+
+    import cuflash
+    from cuflash import fp8
+    from cuflash import reference as ref
+
+    def rand(*shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype("bfloat16")
+
+    q = rand(c["b"], c["sq"], c["h"], c["d"])
+    k, v = rand(c["b"], c["sk"], c["hkv"], c["d"]), rand(c["b"], c["sk"], c["hkv"], c["d"])
+    q_block, kv_block = c["blocks"]
+    qd, qs = fp8.quantize(q, block=q_block, hadamard=True, seed=FP8_SEED)
+    kd, ks = fp8.quantize(k, block=kv_block, hadamard=True, seed=FP8_SEED)
+    vd, vs = fp8.quantize(v, block=kv_block, hadamard=False)
+    blocks = (q_block or 128, kv_block or 128)
+    out, lse = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                       descale_block=blocks, causal=c["causal"], return_lse=True)
+    cupy.cuda.Device().synchronize()
+    if not check:
+        return "ran"
+    data, descales = (qd, kd, vd), (qs, ks, vs)
+    o_ref, lse_ref = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=c["causal"])
+    o_model, _ = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=c["causal"], round_p=True)
+    ref.check_close("out", out, o_ref, o_model.astype(cupy.float32).astype("bfloat16"), atol=1e-2)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=1e-2)
+    return "ok"
+
+
 # ----------------------------------------------------------------------------------------------------
 # the families with cases of their own
 # ----------------------------------------------------------------------------------------------------
@@ -552,6 +612,7 @@ OWN_CASES = {
     "decode": (_decode_cases, _run_decode_case, _describe_decode),
     "cascade": (_cascade_cases, _run_cascade, _describe_cascade),
     "fp8": (_fp8_cases, _run_fp8, _describe_fp8),
+    "fa3-fp8": (_fa3_fp8_cases, _run_fa3_fp8, _describe_fa3_fp8),
 }
 
 

@@ -109,19 +109,21 @@ KV_CASES = [c for c in DRIVER._decode_cases() if c["fn"] == "kvcache"]
 COMBINE_CASES = [c for c in DRIVER._decode_cases() if c["fn"] == "combine"]
 
 
-@pytest.mark.parametrize("impls, decode_ok, fp8_ok, listed", [
-    ([], True, False, "decode cascade"),
-    ([], False, False, ""),
-    ([], False, True, "fp8"),
-    (["fa2"], True, True, "fa2-fwd fa2-bwd decode cascade fp8"),
+@pytest.mark.parametrize("impls, decode_ok, fp8_ok, fa3_ok, listed", [
+    ([], True, False, False, "decode cascade"),
+    ([], False, False, False, ""),
+    ([], False, True, False, "fp8"),
+    (["fa2"], True, True, False, "fa2-fwd fa2-bwd decode cascade fp8"),
+    (["fa3"], True, True, True, "fa3-fwd fa3-bwd decode cascade fp8 fa3-fp8"),
 ])
 def test_list_has_decode_cascade_and_fp8_when_the_gpu_runs_them(monkeypatch, capsys, impls, decode_ok, fp8_ok,
-                                                                 listed):
+                                                                 fa3_ok, listed):
     """cascade_attention runs on the decode kernels and the prefill kernels of FA3 or FA2 (which runs on every
-    GPU decode runs on), so it is listed exactly when decode is."""
+    GPU decode runs on), so it is listed exactly when decode is; the FP8 forward where FA3 runs."""
     monkeypatch.setattr(cuflash, "available_impls", lambda: impls)
     monkeypatch.setattr(DRIVER, "_decode_available", lambda: decode_ok)
     monkeypatch.setattr(DRIVER, "_fp8_available", lambda: fp8_ok)
+    monkeypatch.setattr(DRIVER, "_fp8_attention_available", lambda: fa3_ok)
     assert DRIVER.main(["--list"]) == 0
     assert capsys.readouterr().out.strip() == listed
 
@@ -130,6 +132,7 @@ def test_every_family_with_cases_of_its_own_has_a_runner(monkeypatch):
     monkeypatch.setattr(cuflash, "available_impls", lambda: [])
     monkeypatch.setattr(DRIVER, "_decode_available", lambda: True)
     monkeypatch.setattr(DRIVER, "_fp8_available", lambda: True)
+    monkeypatch.setattr(DRIVER, "_fp8_attention_available", lambda: True)
     assert set(DRIVER._families()) == set(DRIVER.OWN_CASES)
 
 
