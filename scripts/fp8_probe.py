@@ -4,6 +4,8 @@ to the bf16 FA3 kernel. Bypasses the public API's validation.
 
     python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time] [--no-check]
                                 [--tiles 128:128:3:0,...]   # d:block_n:stages:intra_wg_overlap overrides
+    python scripts/fp8_probe.py --profile 128:8192:0             # one call between cudaProfilerStart/Stop
+                                                                 # (scripts/ncu_profile.sh, case fa3fp8:...)
 """
 import argparse
 
@@ -96,6 +98,22 @@ def perf(d, n, causal, reps, peer=True, kvblock=128):
     print(line, flush=True)
 
 
+def profile_once(spec: str) -> None:
+    """d:N:causal at the benchmark shape: compile and warm up with two calls, then exactly one call between
+    cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off)."""
+    from cupy_backends.cuda.api import runtime
+
+    d, n, causal = (int(x) for x in spec.split(":"))
+    call, *_ = run(16384 // n, n, n, 2048 // d, 2048 // d, d, bool(causal))
+    for _ in range(2):
+        call()
+    cupy.cuda.Device().synchronize()
+    runtime.profilerStart()
+    call()
+    cupy.cuda.Device().synchronize()
+    runtime.profilerStop()
+
+
 def main():
     ints = lambda s: [int(x) for x in s.split(",")]
     ap = argparse.ArgumentParser()
@@ -107,11 +125,15 @@ def main():
     ap.add_argument("--no-peer", action="store_true", help="do not time the bf16 FA3 kernel alongside")
     ap.add_argument("--per-tensor", action="store_true", help="time with one K/V descale per (batch, head)")
     ap.add_argument("--tiles", default="", help="d:block_n:stages:overlap,... replacing FA3_FP8_TILES entries")
+    ap.add_argument("--profile", default=None, help="d:N:causal: one profiled call only (under ncu)")
     args = ap.parse_args()
     for spec in filter(None, args.tiles.split(",")):
         d, block_n, stages, overlap = (int(x) for x in spec.split(":"))
         heuristics.FA3_FP8_TILES[d] = heuristics.Fa3Tiles(block_n, stages, bool(overlap))
         print("tiles", d, heuristics.FA3_FP8_TILES[d])
+    if args.profile:
+        profile_once(args.profile)
+        return
     for d in [] if args.no_check else args.headdims:
         for causal in (False, True):
             check(2, 239, 300, 4, 2, d, causal)

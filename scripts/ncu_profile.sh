@@ -7,7 +7,8 @@
 #
 # A case is impl:direction:headdim:seqlen:causal at the FlashAttention benchmark shape (16k tokens, hidden
 # 2048: batch = 16384 / seqlen, heads = 2048 / headdim), bf16. Each runs scripts/iomodel_ncu.py's driver,
-# which compiles and warms up, then brackets exactly one call with cudaProfilerStart/Stop. The clocks are
+# which compiles and warms up, then brackets exactly one call with cudaProfilerStart/Stop. impl "fa3fp8"
+# (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile. The clocks are
 # left alone (--clock-control none, as the device notes ask). Full reports go to $OUT/ncu-<case>.txt; the
 # summary lines (duration, SM and memory throughput, tensor pipe, issue-slot use, the top stall reasons,
 # DRAM bytes) are printed per kernel.
@@ -17,7 +18,7 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 NCU=${NCU:-ncu}
-CASES=${CASES:-"fa3:backward:128:8192:0 fa3:forward:128:2048:0 fa3:forward:128:2048:1 fa2:forward:128:8192:0"}
+CASES=${CASES:-"fa3fp8:forward:128:8192:0 fa3:backward:128:8192:0 fa3:forward:128:2048:0 fa2:forward:128:8192:0"}
 METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
 status=0
 for case in $CASES; do
@@ -26,12 +27,16 @@ for case in $CASES; do
   mask=(); [ "$causal" = 1 ] && mask=(--mask-causal)
   log="$OUT/ncu-${impl}-${direction}-d${d}-n${n}-c${causal}.txt"
   echo "=== $case (batch $batch, heads $heads)"
+  if [ "$impl" = fa3fp8 ]; then
+    driver=(python3 scripts/fp8_probe.py --profile "$d:$n:$causal")
+  else
+    driver=(python3 scripts/iomodel_ncu.py --driver --impl "$impl" --direction "$direction" --headdim "$d"
+            --seqlen "$n" --batch "$batch" --heads "$heads" "${mask[@]}")
+  fi
   timeout ${NCU_TIMEOUT:-300} "$NCU" --profile-from-start off --target-processes all --clock-control none \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --metrics "$METRICS" \
-    python3 scripts/iomodel_ncu.py --driver --impl "$impl" --direction "$direction" --headdim "$d" --seqlen "$n" \
-      --batch "$batch" --heads "$heads" "${mask[@]}" > "$log" 2>&1 || status=1
-  grep -E '^\s+[a-z_0-9]+.*\(|Duration|^\s+(Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|No Eligible)|Stall|sm__pipe_tensor|sm__inst_executed_pipe_tensor|smsp__issue_active|dram__bytes|lts__t_bytes' "$log" \
+    --section ComputeWorkloadAnalysis --metrics "$METRICS" "${driver[@]}" > "$log" 2>&1 || status=1
+  grep -E '^\s+[a-z_0-9]+.*\(|Duration|^\s+(Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|No Eligible)|Stall|Pipe|sm__pipe_tensor|sm__inst_executed_pipe_tensor|smsp__issue_active|dram__bytes|lts__t_bytes' "$log" \
     | grep -vE '^\s*$' | head -40
 done
 echo "=== done status=$status"
