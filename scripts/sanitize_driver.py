@@ -570,13 +570,27 @@ def _describe_fa3_fp8(c):
             f"blocks={c['blocks']}")
 
 
+def _fa3_fp8_blocks(c):
+    """descale_block for the case's quantiser blocks (None: one scale per head, whose entry is ignored)."""
+    q_block, kv_block = c["blocks"]
+    return q_block or 128, kv_block or 128
+
+
+def _fa3_fp8_call(c, data, descales):
+    """The public call the family runs: flash_attn_func on e4m3 bytes with their descales."""
+    import cuflash
+
+    (qd, kd, vd), (qs, ks, vs) = data, descales
+    return cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                   descale_block=_fa3_fp8_blocks(c), causal=c["causal"], return_lse=True)
+
+
 def _run_fa3_fp8(c, rng, check):
     """Quantise bf16 inputs (cuflash.fp8.quantize, outside what the case checks) and run the FP8 forward;
     with check, compare with reference.attention_fp8_ref as tests/test_fp8_attention_gpu.py does (the
     model with P rounded to e4m3 sets the tolerance, atol 1e-2 on out and LSE)."""
     import cupy
 
-    import cuflash
     from cuflash import fp8
     from cuflash import reference as ref
 
@@ -589,13 +603,12 @@ def _run_fa3_fp8(c, rng, check):
     qd, qs = fp8.quantize(q, block=q_block, hadamard=True, seed=FP8_SEED)
     kd, ks = fp8.quantize(k, block=kv_block, hadamard=True, seed=FP8_SEED)
     vd, vs = fp8.quantize(v, block=kv_block, hadamard=False)
-    blocks = (q_block or 128, kv_block or 128)
-    out, lse = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
-                                       descale_block=blocks, causal=c["causal"], return_lse=True)
+    data, descales = (qd, kd, vd), (qs, ks, vs)
+    out, lse = _fa3_fp8_call(c, data, descales)
     cupy.cuda.Device().synchronize()
     if not check:
         return "ran"
-    data, descales = (qd, kd, vd), (qs, ks, vs)
+    blocks = _fa3_fp8_blocks(c)
     o_ref, lse_ref = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=c["causal"])
     o_model, _ = ref.attention_fp8_ref(*data, *descales, descale_block=blocks, causal=c["causal"], round_p=True)
     ref.check_close("out", out, o_ref, o_model.astype(cupy.float32).astype("bfloat16"), atol=1e-2)

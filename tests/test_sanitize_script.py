@@ -23,6 +23,7 @@ from cascade_cases import CASES as CASCADE_CASES
 from test_bad_input_table import _ReachedKernel, _SpecCall  # the same stand-ins as the decode bad-input table
 from test_cascade_cpu import _combine_ref, _kvcache_ref, _varlen_ref  # the cascade glue's NumPy kernels
 from test_decode_cpu import spec, vals
+from test_fp8_attention_cpu import spec_env  # noqa: F401  (a fixture: flash_attn_func on Specs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -471,3 +472,52 @@ def test_fp8_check_passes_the_reference_and_fails_a_wrong_answer(c):
     other = ref.fp8_quantize(x, c["block"], not c["hadamard"], c["seed"], compute_dtype="float32")
     with pytest.raises(AssertionError):
         DRIVER._check_fp8(c, x, *other)
+
+
+# ----------------------------------------------------------------------------------------------------
+# scripts/sanitize_driver.py: the fa3-fp8 family (the FP8 forward through flash_attn_func)
+# ----------------------------------------------------------------------------------------------------
+
+FA3_FP8 = DRIVER._fa3_fp8_cases()
+
+
+def test_fa3_fp8_cases_cover_the_family():
+    """Every FP8 head dim, causal and not, Sq < Sk and Sq > Sk, GQA and MQA, per-block descales whose last
+    block is short and per-head ones, and a single query row."""
+    from cuflash import fa3
+
+    assert {c["d"] for c in FA3_FP8} == set(fa3.FP8_HEADDIMS)
+    for d in fa3.FP8_HEADDIMS:
+        assert {(c["causal"], c["sq"] < c["sk"]) for c in FA3_FP8 if c["d"] == d and c["sq"] > 1} == \
+            {(False, True), (False, False), (True, True), (True, False)}
+    assert {c["h"] // c["hkv"] for c in FA3_FP8} >= {2, 4} and any(c["hkv"] == 1 for c in FA3_FP8)
+    assert (None, None) in {c["blocks"] for c in FA3_FP8} and any(c["sq"] == 1 for c in FA3_FP8)
+    assert any(c["sk"] % c["blocks"][1] for c in FA3_FP8 if c["blocks"][1])  # a short last K/V block
+
+
+@pytest.mark.parametrize("c", FA3_FP8, ids=DRIVER._describe_fa3_fp8)
+def test_fa3_fp8_cases_are_calls_the_api_accepts(spec_env, c):
+    """The driver's call, on the shapes fp8.quantize gives it, passes every check of the FP8 path on an
+    sm_90 GPU and reaches fa3.forward_fp8 with the case's blocks."""
+    from cuflash import fa3
+
+    q_block, kv_block = c["blocks"]
+
+    def n(seqlen, block):
+        return 1 if block is None else -(-seqlen // block)
+
+    data = (spec((c["b"], c["sq"], c["h"], c["d"]), "uint8"),
+            spec((c["b"], c["sk"], c["hkv"], c["d"]), "uint8"),
+            spec((c["b"], c["sk"], c["hkv"], c["d"]), "uint8"))
+    descales = (spec((c["b"], c["h"], n(c["sq"], q_block)), "float32"),
+                spec((c["b"], c["hkv"], n(c["sk"], kv_block)), "float32"),
+                spec((c["b"], c["hkv"], n(c["sk"], kv_block)), "float32"))
+    with pytest.raises(_ReachedKernel):
+        DRIVER._fa3_fp8_call(c, data, descales)
+    (args,) = spec_env["launches"]
+    launched_q_block, launched_kv_block = args[8], args[9]
+    # one descale per head (the quantiser's only block covers the sequence): a block of the whole sequence
+    assert launched_q_block == (q_block if n(c["sq"], q_block) > 1 else c["sq"])
+    if n(c["sk"], kv_block) > 1:
+        assert launched_kv_block == kv_block
+    assert launched_kv_block % fa3.FP8_BLOCK_N == 0 and launched_kv_block >= min(kv_block or c["sk"], c["sk"])
