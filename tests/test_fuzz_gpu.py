@@ -7,7 +7,11 @@ Each run draws ``CUFLASH_FUZZ_CASES`` (default 300) configurations: batch 1-3, s
 implementation supports, bf16/fp16, causal, sometimes a window, a softmax_scale, softcap and ALiBi
 (only where an implementation supports them), and strided inputs (heads sliced out of a bigger array,
 a padded head dim, a (batch, heads, seqlen, dim) buffer seen transposed, a sequence slice, packed
-qkv / kv). Shapes are capped so the whole file runs in about two minutes on an H200.
+qkv / kv). Shapes are capped so the whole file runs in about two minutes on an H200. About a third of
+the configurations also run the FP8 forward where it applies (Hopper, head dims 64/128/256, no window,
+softcap or ALiBi): the inputs quantised by cuflash.fp8.quantize with random Q and K/V descale blocks
+(per block or per head), against ``reference.attention_fp8_ref`` of the same bytes with the e4m3
+rounding of P as the low-precision model (tests/test_fp8_attention_gpu.py's rule).
 
 Seeds: the run's seed comes from ``CUFLASH_FUZZ_SEED`` (random when unset) and is printed; case i
 uses seed + i. A failure prints its case seed; ``CUFLASH_FUZZ_SEED=<case seed> python -m pytest
@@ -24,7 +28,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api
+from cuflash import api, fa3, fp8
 from cuflash import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -132,6 +136,11 @@ def draw_config(seed: int) -> dict:
         cfg["q_layout"] = cfg["kv_layout"] = "packed_qkv"
     cfg["dout_layout"] = str(rng.choice(["contiguous", "contiguous", "bhsd"]))
     cfg["deterministic"] = bool(rng.random() < 0.3)  # backward, where the family has the mode
+    # the FP8 forward's quantiser blocks (Q, K/V; None: one descale per head), where _fp8_applies
+    cfg["fp8_blocks"] = None
+    if rng.random() < 0.35:
+        cfg["fp8_blocks"] = tuple(None if x is None else int(x)
+                                  for x in (rng.choice([None, 64, 128, 200]), rng.choice([None, 128, 256])))
     # head dims only some families have would otherwise leave configurations nobody can run
     if not any(_supports(f, cfg, "forward") for f in FAMILIES.values()):
         cfg["softcap"], cfg["alibi"], cfg["q_gain"] = 0.0, False, 1.0
@@ -142,7 +151,8 @@ def _describe(cfg) -> str:
     c = dict(cfg)
     return ("b={b} sq={sq} sk={sk} heads={h} kv_heads={hkv} d={d} {dtype} causal={causal} window={window} "
             "scale={softmax_scale} softcap={softcap:.3g} alibi={alibi} q_gain={q_gain:.3g} layouts q={q_layout} "
-            "kv={kv_layout} dout={dout_layout} deterministic={deterministic}").format(**c)
+            "kv={kv_layout} dout={dout_layout} deterministic={deterministic} "
+            "fp8_blocks={fp8_blocks}").format(**c)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -238,6 +248,34 @@ def _takes(fn, arg):
     return arg in inspect.signature(fn).parameters
 
 
+def _fp8_applies(cfg, available) -> bool:
+    """The FP8 forward runs this configuration: drawn for it, FA3 here, its head dims and no window, softcap
+    or ALiBi."""
+    return (cfg["fp8_blocks"] is not None and "fa3" in available and cfg["d"] in fa3.FP8_HEADDIMS
+            and tuple(cfg["window"]) == (-1, -1) and not cfg["softcap"] and not cfg["alibi"])
+
+
+def run_fp8_case(cfg, q, k, v):
+    """q, k, v quantised (Hadamard on q and k with one seed) and the FP8 forward against the reference of the
+    same bytes: out by the tolerance rule with P rounded to e4m3 (then bf16) as the low-precision model and
+    atol 1e-2, the LSE within 1e-2 (tests/test_fp8_attention_gpu.py derives both)."""
+    import cupy
+
+    q_block, kv_block = cfg["fp8_blocks"]
+    qd, qs = fp8.quantize(q, block=q_block, hadamard=True, seed=11)
+    kd, ks = fp8.quantize(k, block=kv_block, hadamard=True, seed=11)
+    vd, vs = fp8.quantize(v, block=kv_block, hadamard=False)
+    blocks = (q_block or 128, kv_block or 128)
+    kw = dict(descale_block=blocks, causal=cfg["causal"], softmax_scale=cfg["softmax_scale"])
+    out, lse = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                       return_lse=True, **kw)
+    assert out.shape == q.shape and str(out.dtype) == "bfloat16", (out.shape, out.dtype)
+    o_ref, lse_ref = ref.attention_fp8_ref(qd, kd, vd, qs, ks, vs, **kw)
+    o_model, _ = ref.attention_fp8_ref(qd, kd, vd, qs, ks, vs, **kw, round_p=True)
+    ref.check_close("fa3 fp8 forward out", out, o_ref, o_model.astype(cupy.float32).astype("bfloat16"), atol=1e-2)
+    ref.check_close("fa3 fp8 forward lse", lse, lse_ref, lse_ref, atol=1e-2)
+
+
 def run_case(cfg, rng, available):
     """Every implementation that supports ``cfg`` against the references; returns what was checked."""
     import cupy
@@ -265,6 +303,9 @@ def run_case(cfg, rng, available):
         ref.check_close(f"{name} forward lse", lse, lse_ref, lse_ref, atol=_lse_atol(cfg))
         fwd[name] = (out, lse)
         checked.append(f"fwd-{name}")
+    if _fp8_applies(cfg, available):
+        run_fp8_case(cfg, q, k, v)
+        checked.append("fwd-fa3-fp8")
 
     bwd_impls = [n for n in available if _supports(FAMILIES[n], cfg, "backward")]
     # the public backward and the low-precision reference must both take the features this case uses
@@ -331,3 +372,6 @@ def test_config_generator_covers_the_space():
             assert any(c["softcap"] for c in cfgs)
         if _any_supports("alibi"):
             assert any(c["alibi"] for c in cfgs)
+        fp8_cfgs = [c for c in cfgs if _fp8_applies(c, ["fa3"])]
+        assert len(fp8_cfgs) >= 20 and any(c["causal"] for c in fp8_cfgs)
+        assert {b for c in fp8_cfgs for b in c["fp8_blocks"]} >= {None, 64, 128, 256}
