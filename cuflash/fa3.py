@@ -21,7 +21,7 @@ HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
-BWD_FEATURES = frozenset({"causal", "window", "gqa"})
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "deterministic"})
 BWD_HEADDIMS = (64, 128)  # v0: dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
@@ -84,7 +84,7 @@ def fp8_transpose_variant(headdim: int) -> Variant:
 BWD_PARAMS = np.dtype(
     pointer_fields("dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
-    + DIMS_FIELDS + [("scale_log2", np.float32), ("scale", np.float32)],
+    + DIMS_FIELDS + [("scale_log2", np.float32), ("scale", np.float32)] + pointer_fields("dq_semaphore"),
     align=True,
 )
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
@@ -229,12 +229,15 @@ def _sm_count() -> int:
     return int(device_properties(device_id())["multiProcessorCount"])
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream) -> None:
+def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream,
+             deterministic: bool = False) -> None:
     """Launch preprocess (D and a copy of the LSE in padded rows, dQ accumulator zeroed), the main kernel
     and the dQ conversion on ``stream`` (the row passes are common/bwd_aux.cu's, shared with the other
     families). ``dsum`` (the caller's unpadded D buffer) is not used: the kernel's TMA loads of LSE and D
     rows need each block to start at a 16-byte aligned offset (a load at row 113 of a head faulted with an
-    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here."""
+    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here.
+    ``deterministic``: the K blocks add their dQ shares of each Q block in a fixed order (zeroed counters per
+    (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run."""
     pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M
     total = dims.batch * dims.heads * pitch
     if total >= 2 ** 31:
@@ -251,6 +254,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
             _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse_rows), _rows_map(dsum_rows))
     p = np.zeros(1, BWD_PARAMS)
     p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
+    if deterministic:
+        atoms = -(-dims.headdim // 64)
+        semaphore = cupy.zeros((dims.batch, dims.heads, pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
+        p["dq_semaphore"] = semaphore.data.ptr
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
     p["row_batch_stride"], p["row_head_stride"] = dims.heads * pitch, pitch

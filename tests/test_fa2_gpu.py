@@ -1,6 +1,8 @@
 """FA2 forward against the fp32 reference by FlashAttention's tolerance rule (GPU tier), outputs
 poisoned; every feature of the forward: head dims, causal, window, softcap, ALiBi, GQA/MQA, odd and
 unequal lengths, fp16, strided inputs."""
+import importlib
+
 import numpy as np
 import pytest
 
@@ -161,12 +163,19 @@ def test_backward_deterministic_is_bit_identical(d, causal):
             assert bool((a.view("uint16") == b.view("uint16")).all())
 
 
-def test_auto_backward_deterministic_picks_fa2():
+def test_auto_backward_deterministic_picks_the_first_family_with_the_mode():
+    """impl="auto" with deterministic=True runs the first family of the backward preference order that
+    has the mode on this GPU (FA3 on Hopper since it has one, else FA2): the same bits as asking for it."""
+    from cuflash import heuristics
+
     q, k, v = _inputs(np.random.default_rng(), 1, 200, 200, 2, 2, 64, "bfloat16")
     out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True)
     dout = q.copy()
+    available = cuflash.available_impls("backward")
+    expected = next(name for name in heuristics.IMPL_PREFERENCE["backward"] if name in available
+                    and "deterministic" in importlib.import_module(f"cuflash.{name}").BWD_FEATURES)
     a = cuflash.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True)
-    b = cuflash.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, impl="fa2")
+    b = cuflash.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True, impl=expected)
     for x, y in zip(a, b):
         assert bool((x.view("uint16") == y.view("uint16")).all())
 

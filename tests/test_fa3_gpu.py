@@ -186,6 +186,25 @@ def test_backward_window(poison_allocations, d, window):
     check_backward("fa3", q, k, v, window_size=window)
 
 
+@pytest.mark.parametrize("d", BWD_HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_deterministic_is_bit_identical(d, causal):
+    """Many K blocks add into each dQ row (TMA reduce-adds); the deterministic mode orders them by K block,
+    so runs agree bit for bit (and match the reference). GQA: the group's heads add into their own rows."""
+    q, k, v = _inputs(np.random.default_rng(), 2, 1100, 1300, 4, 2, d, "bfloat16")
+    dout, out, lse, first = check_backward("fa3", q, k, v, causal=causal, deterministic=True)
+    for _ in range(3):
+        again = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, impl="fa3", deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((a.view("uint16") == b.view("uint16")).all())
+
+
+def test_backward_deterministic_with_a_window(poison_allocations):
+    """A window changes which K blocks touch a Q block (the turn order starts at the first of them)."""
+    q, k, v = _inputs(np.random.default_rng(), 1, 700, 900, 4, 4, 128, "bfloat16")
+    check_backward("fa3", q, k, v, window_size=(200, 64), deterministic=True)
+
+
 def test_backward_fp16_and_strided(poison_allocations):
     import cupy
 

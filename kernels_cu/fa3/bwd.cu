@@ -17,6 +17,8 @@
 //   The LSE and D rows of each (Q, dO) block arrive with it through the ring (flat row tensor maps), not by
 //   loads from the consumers that the S^T GEMM could not hide.
 //   At the end dK (times the softmax scale) and dV are stored from registers.
+//   Deterministic mode (p.dq_semaphore set): the K blocks that touch a Q block add their dQ shares in
+//   block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run to run.
 // Not yet: softcap, varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SMEM_BYTES.
@@ -66,6 +68,20 @@ __device__ __forceinline__ void issue_acc_ay(float (&acc)[D / 2], const u32 (&a)
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<D, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
 }
 
+// Deterministic mode: the counter of Q block m's dQ atom `a` (head h) and the value that makes it this K
+// block's turn: the K blocks that touch the Q block add in block order.
+struct DqTurn {
+    int* flag;
+    int value;
+};
+__device__ __forceinline__ DqTurn dq_turn(const Fa3BwdParams& p, const Mask& mask, int n_block, int batch, int h, int m,
+                                          int a) {
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+    int n_first, n_end;
+    mask.kv_block_range<BM, BN>(m, n_first, n_end);
+    return {p.dq_semaphore + ((i64(batch) * p.heads + h) * q_blocks + m) * ATOMS + a, n_block - n_first};
+}
+
 // Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
 struct Lane {
     int w, g, q4;
@@ -83,8 +99,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int group = p.heads / p.kv_heads;
     const int warpgroup = threadIdx.x / 128;
     const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    // The Q blocks this K block sees, [m_lo, m_hi): each role computes them after its setmaxnreg (ptxas
+    // spilled them when they lived across it).
     int m_lo, m_hi;
-    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.kv_full, 1);
@@ -98,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
         regs_decrease<24>();
+        mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
         if (threadIdx.x != 0 || m_lo == m_hi) return;
         mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
         tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, n_block * BN, kv_head, batch);
@@ -123,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     // ------------------------------------------------------------------------------------- consumers
     regs_increase<240>();
+    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
     const int c = warpgroup - 1;  // which 64 keys of the block
     const int t = threadIdx.x % 128, lane = t % 32;
     const Lane ln{t / 32, lane / 4, lane % 4};
@@ -242,11 +261,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     fence_async_smem();
                     named_sync(DQ_BAR + c, 128);
                     if (t == 0) {
+                        if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching Q block m
+                            const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
+                            while (ld_acquire(turn.flag) != turn.value) {
+                            }
+                            fence_async_global();  // the reduce below comes after the acquire
+                        }
 #pragma unroll
                         for (int box = 0; box < 2; ++box)
                             tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32, m * BM,
                                               batch * p.heads + h);
                         tma_store_commit();
+                        if (p.dq_semaphore) {
+                            const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
+                            tma_store_wait_all();  // the adds are in global memory ...
+                            fence_async_global();
+                            st_release(turn.flag, turn.value + 1);  // ... before the next K block may add
+                        }
                     }
                 }
             }

@@ -34,4 +34,7 @@ struct Fa3BwdParams {
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale_log2;               // softmax scale * log2(e)
     float scale;                    // softmax scale (dK = scale * dS^T Q)
+    // Deterministic mode: (batch, heads, q_blocks, dQ atoms) zeroed counters; each K block adds its dQ share
+    // of a Q block when the counter says it is its turn (null: adds in any order).
+    int* dq_semaphore;
 };
