@@ -11,7 +11,7 @@ from . import _tma
 from ._interop import dtype_name
 from . import _bwd_aux
 from ._jit import Variant, launch
-from ._params import (DIMS_FIELDS, DTYPE_CODES, LOG2E, fill_dims, fill_row_strides, fill_strides, logit_scales,
+from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
 from ._validate import Dims
 from .heuristics import FA3_FP8_TILES, FA3_TILES
@@ -21,7 +21,7 @@ HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
-BWD_FEATURES = frozenset({"causal", "window", "gqa", "deterministic"})
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "deterministic"})
 BWD_HEADDIMS = (64, 128)  # v0: dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
@@ -84,20 +84,21 @@ def fp8_transpose_variant(headdim: int) -> Variant:
 BWD_PARAMS = np.dtype(
     pointer_fields("dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
-    + DIMS_FIELDS + [("scale_log2", np.float32), ("scale", np.float32)] + pointer_fields("dq_semaphore"),
+    + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
+    + pointer_fields("dq_semaphore"),
     align=True,
 )
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 
 
-def bwd_variant(headdim: int, dtype: str) -> Variant:
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
     dq_bytes = 2 * BWD_BLOCK_M * 64 * 4  # per consumer: one 64-column fp32 atom of dQ, staged for the reduce-add
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
     smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 5 + 2048  # + barriers, + slack
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]),
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
          ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
@@ -109,7 +110,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
     fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
     fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS] + [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
-    return fwd + [bwd_variant(d, dtype) for dtype in DTYPE_CODES for d in BWD_HEADDIMS] + fp8
+    bwd = [bwd_variant(d, dtype, softcap) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for softcap in (False, True)]
+    return fwd + bwd + fp8
 
 
 def pack_gqa(dims: Dims, varlen: bool) -> bool:
@@ -230,7 +232,7 @@ def _sm_count() -> int:
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream,
-             deterministic: bool = False) -> None:
+             softcap: float = 0.0, deterministic: bool = False) -> None:
     """Launch preprocess (D and a copy of the LSE in padded rows, dQ accumulator zeroed), the main kernel
     and the dQ conversion on ``stream`` (the row passes are common/bwd_aux.cu's, shared with the other
     families). ``dsum`` (the caller's unpadded D buffer) is not used: the kernel's TMA loads of LSE and D
@@ -249,7 +251,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     lse_rows, dsum_rows = rows[0], rows[1]
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, dims, scale, stream, lse=lse, lse_rows=lse_rows,
                         row_pitch=pitch)
-    variant = bwd_variant(dims.headdim, dims.dtype)
+    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0)
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
             _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse_rows), _rows_map(dsum_rows))
     p = np.zeros(1, BWD_PARAMS)
@@ -262,7 +264,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     fill_strides(p, "dv", dv)
     p["row_batch_stride"], p["row_head_stride"] = dims.heads * pitch, pitch
     fill_dims(p, dims, window)
-    p["scale_log2"], p["scale"] = scale * LOG2E, scale
+    p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
+    p["scale"] = scale
     grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)

@@ -205,6 +205,16 @@ def test_backward_deterministic_with_a_window(poison_allocations):
     check_backward("fa3", q, k, v, window_size=(200, 64), deterministic=True)
 
 
+@pytest.mark.parametrize("d", BWD_HEADDIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_softcap(poison_allocations, d, causal):
+    """Logits large enough that the cap matters (q scaled up): dS carries the cap's derivative 1 - t^2."""
+    q, k, v = _inputs(np.random.default_rng(), 2, 150, 233, 8, 2, d, "bfloat16")
+    q = (q.astype("float32") * 3).astype("bfloat16")
+    check_backward("fa3", q, k, v, causal=causal, softcap=6.0)
+    check_backward("fa3", q, k, v, causal=causal, softcap=6.0, deterministic=True)
+
+
 def test_backward_fp16_and_strided(poison_allocations):
     import cupy
 

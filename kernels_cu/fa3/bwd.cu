@@ -8,6 +8,8 @@
 //   consumers (warpgroups 1 and 2): each owns 64 of the keys and, per query block, computes
 //       S^T  = K Q^T,  dP^T = V dO^T            (64 keys x 64 queries; both operands in shared memory)
 //       P^T  = 2^(S^T c - lse log2 e),  dS^T = P^T o (dP^T - D)        (registers; D = rowsum(dO o O))
+//       (softcap: logits t = tanh(S^T softcap_pre), P^T = 2^(t c - lse log2 e) and dS^T carries the
+//       derivative of the cap, o (1 - t^2); c = softcap log2 e, cuflash/_params.logit_scales)
 //       dV  += P^T dO,  dK += dS^T Q           (P^T, dS^T fed from registers; dO, Q read MN-major)
 //     and writes dS^T to shared memory; then, over all BN keys (both consumers' dS^T),
 //       dQ   = dS K, one 64-column atom per consumer (both operands MN-major),
@@ -19,15 +21,17 @@
 //   At the end dK (times the softmax scale) and dV are stored from registers.
 //   Deterministic mode (p.dq_semaphore set): the K blocks that touch a Q block add their dQ shares in
 //   block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run to run.
-// Not yet: softcap, varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
+// Not yet: varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SMEM_BYTES.
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
+// CUFLASH_SMEM_BYTES.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
 #include "fa3/params.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
+constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr int BM = 64;   // query rows per step
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
 constexpr int STAGES = 2;
@@ -179,23 +183,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     }
                 const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
 
+                // P^T (with a softcap: the capped logits t first, P^T once dP^T is in, so that t need not
+                // share the registers with P^T for the cap's derivative 1 - t^2).
+                auto probabilities = [&]() {
+#pragma unroll
+                    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
+                            float& x = st[4 * j + e];
+                            x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
+                            if (edge && !mask.visible(row, key)) x = 0.f;
+                        }
+                };
                 wgmma_wait<1>();  // S^T
                 wgmma_fence_regs(st);
+                if constexpr (SOFTCAP) {
 #pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
-                        float& x = st[4 * j + e];
-                        x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
-                        if (edge && !mask.visible(row, key)) x = 0.f;
-                    }
+                    for (int j = 0; j < BM / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
+                } else {
+                    probabilities();
+                }
                 wgmma_wait<0>();  // dP^T
                 wgmma_fence_regs(dpt);
 #pragma unroll
                 for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - dsum[j][e % 2]);
+                    for (int e = 0; e < 4; ++e) {
+                        float& ds = dpt[4 * j + e];
+                        ds -= dsum[j][e % 2];
+                        if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
+                    }
+                if constexpr (SOFTCAP) probabilities();
+#pragma unroll
+                for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
 
                 u32 pa[BM / 16][4], dsa[BM / 16][4];
                 acc_to_a_frags<BM>(st, pa);

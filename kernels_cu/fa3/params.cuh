@@ -32,7 +32,8 @@ struct Fa3BwdParams {
     i64 row_batch_stride, row_head_stride;  // of the LSE / D rows, padded to a multiple of 64 per head
     int batch, heads, kv_heads, seqlen_q, seqlen_k;
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
-    float scale_log2;               // softmax scale * log2(e)
+    float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
+    float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
     float scale;                    // softmax scale (dK = scale * dS^T Q)
     // Deterministic mode: (batch, heads, q_blocks, dQ atoms) zeroed counters; each K block adds its dQ share
     // of a Q block when the counter says it is its turn (null: adds in any order).
