@@ -22,7 +22,7 @@ MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
 BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "deterministic"})
-BWD_HEADDIMS = (64, 128)  # v0: dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
+BWD_HEADDIMS = (64, 96, 128)  # dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
 FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
@@ -92,7 +92,8 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 
 
 def bwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
-    kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * headdim * 2, BWD_BLOCK_M * headdim * 2, 64 * BWD_BLOCK_M * 2
+    padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
+    kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
     dq_bytes = 2 * BWD_BLOCK_M * 64 * 4  # per consumer: one 64-column fp32 atom of dQ, staged for the reduce-add
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
     smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 5 + 2048  # + barriers, + slack

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import fa3
 from gpu_checks import check_backward, check_forward, check_varlen_forward, varlen_batch
 from gpu_checks import inputs as _inputs
 
@@ -165,9 +166,9 @@ def test_auto_picks_fa3_for_varlen():
     assert bool(cupy.all(a.view("uint16") == b.view("uint16")))
 
 
-# --- backward (v0: head dims 64 and 128) -----------------------------------------------------------------
+# --- backward (head dims 64, 96, 128) -----------------------------------------------------------------
 
-BWD_HEADDIMS = (64, 128)
+BWD_HEADDIMS = fa3.BWD_HEADDIMS  # 64, 96 (stored padded to 128), 128
 
 
 @pytest.mark.parametrize("d", BWD_HEADDIMS)

@@ -23,7 +23,7 @@
 //   block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run to run.
 // Not yet: varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
 // CUFLASH_SMEM_BYTES.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
@@ -35,13 +35,17 @@ constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr int BM = 64;   // query rows per step
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
 constexpr int STAGES = 2;
-constexpr int ATOMS = D / 64;
+// Tiles hold whole 64-column atoms: d = 96 is stored as 128 columns whose last 32 TMA fills with zeros, and
+// every product runs at DP = 128 (only d columns of dK, dV and dQ are stored): S^T and dP^T over the 96
+// real columns only made ptxas spill at d = 96.
+constexpr int DP = (D + 63) / 64 * 64;
+constexpr int ATOMS = DP / 64;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
-constexpr int KV_BYTES = BN * D * 2, QB_BYTES = BM * D * 2, DS_BYTES = 64 * BM * 2;
+constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = 64 * BM * 2;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(D == 64 || D == 128, "head dims 64 and 128 (registers: dK and dV are 2 x D / 2 per thread)");
+static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
@@ -63,13 +67,13 @@ constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consum
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
 __device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y) {
-    wgmma_abt_kmajor<BM, D / 16>(acc, x_rows, BN * 128, y, BM * 128);
+    wgmma_abt_kmajor<BM, DP / 16>(acc, x_rows, BN * 128, y, BM * 128);
 }
 
 // acc (64 keys x D) += A (64 keys x BM queries, registers) Y (BM x D, read MN-major from [BM][D] atoms).
-__device__ __forceinline__ void issue_acc_ay(float (&acc)[D / 2], const u32 (&a)[BM / 16][4], const unsigned char* y) {
+__device__ __forceinline__ void issue_acc_ay(float (&acc)[DP / 2], const u32 (&a)[BM / 16][4], const unsigned char* y) {
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<D, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
+    for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<DP, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
 }
 
 // Deterministic mode: the counter of Q block m's dQ atom `a` (head h) and the value that makes it this K
@@ -151,9 +155,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const Lane ln{t / 32, lane / 4, lane % 4};
     const int key_lo = n_block * BN + c * 64 + 16 * ln.w + ln.g;  // this thread's keys: key_lo, key_lo + 8
 
-    float dk[D / 2], dv[D / 2];
+    float dk[DP / 2], dv[DP / 2];
 #pragma unroll
-    for (int j = 0; j < D / 2; ++j) dk[j] = dv[j] = 0.f;
+    for (int j = 0; j < DP / 2; ++j) dk[j] = dv[j] = 0.f;
 
     if (m_lo < m_hi) {
         const unsigned char* k_rows = sm.k + c * 64 * 128;  // this consumer's 64 rows of every K / V atom
@@ -290,8 +294,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         }
 #pragma unroll
                         for (int box = 0; box < 2; ++box)
-                            tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32, m * BM,
-                                              batch * p.heads + h);
+                            if (a * 64 + box * 32 < D)  // (d = 96: the padding's box is not added)
+                                tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32, m * BM,
+                                                  batch * p.heads + h);
                         tma_store_commit();
                         if (p.dq_semaphore) {
                             const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
