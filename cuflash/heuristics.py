@@ -107,6 +107,8 @@ class Fa3Tiles:
     stages: int  # K/V tiles in flight in the shared-memory ring
     # within a consumer warpgroup, S_n = Q K_n^T runs under P_{n-1} V_{n-1} (kernels_cu/fa3/fwd.cu)
     intra_wg_overlap: bool = True
+    # the two consumer warpgroups take turns issuing their GEMMs (named barriers; kernels_cu/fa3/fwd.cu)
+    pingpong: bool = True
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per

@@ -3,7 +3,7 @@ the dequantised e4m3 inputs, and TFLOP/s at FlashAttention benchmark shapes (16k
 to the bf16 FA3 kernel. Bypasses the public API's validation.
 
     python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time] [--no-check]
-                                [--tiles 128:128:3:0,...]   # d:block_n:stages:intra_wg_overlap overrides
+                                [--tiles 128:128:3:0[:0],...]   # d:block_n:stages:intra_wg_overlap[:pingpong]
     python scripts/fp8_probe.py --profile 128:8192:0             # one call between cudaProfilerStart/Stop
                                                                  # (scripts/ncu_profile.sh, case fa3fp8:...)
 """
@@ -124,12 +124,15 @@ def main():
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-peer", action="store_true", help="do not time the bf16 FA3 kernel alongside")
     ap.add_argument("--per-tensor", action="store_true", help="time with one K/V descale per (batch, head)")
-    ap.add_argument("--tiles", default="", help="d:block_n:stages:overlap,... replacing FA3_FP8_TILES entries")
+    ap.add_argument("--tiles", default="",
+                    help="d:block_n:stages:overlap[:pingpong],... replacing FA3_FP8_TILES entries")
     ap.add_argument("--profile", default=None, help="d:N:causal: one profiled call only (under ncu)")
     args = ap.parse_args()
     for spec in filter(None, args.tiles.split(",")):
-        d, block_n, stages, overlap = (int(x) for x in spec.split(":"))
-        heuristics.FA3_FP8_TILES[d] = heuristics.Fa3Tiles(block_n, stages, bool(overlap))
+        fields = [int(x) for x in spec.split(":")]
+        d, block_n, stages, overlap = fields[:4]
+        pingpong = fields[4] if len(fields) > 4 else 1
+        heuristics.FA3_FP8_TILES[d] = heuristics.Fa3Tiles(block_n, stages, bool(overlap), bool(pingpong))
         print("tiles", d, heuristics.FA3_FP8_TILES[d])
     if args.profile:
         profile_once(args.profile)

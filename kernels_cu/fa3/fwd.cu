@@ -25,7 +25,8 @@
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
-// (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1).
+// (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
+// CUFLASH_PINGPONG (0/1).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -96,8 +97,15 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
 constexpr int PINGPONG_BAR = 1;
 constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer warpgroup
-__device__ __forceinline__ void wait_my_turn(int c) { named_sync(PINGPONG_BAR + c, 256); }
-__device__ __forceinline__ void pass_the_turn(int c) { named_arrive(PINGPONG_BAR + (c ^ 1), 256); }
+// CUFLASH_PINGPONG 0 leaves the two consumers to issue whenever they are ready (a tuning switch: FP8's
+// GEMMs are half as long as bf16's, so the turns may cost more than they hide).
+constexpr bool PINGPONG = CUFLASH_PINGPONG;
+__device__ __forceinline__ void wait_my_turn(int c) {
+    if constexpr (PINGPONG) named_sync(PINGPONG_BAR + c, 256);
+}
+__device__ __forceinline__ void pass_the_turn(int c) {
+    if constexpr (PINGPONG) named_arrive(PINGPONG_BAR + (c ^ 1), 256);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Consumer steps. A consumer warpgroup holds 64 query rows; each thread two of them (row_lo, row_lo + 8)
