@@ -110,7 +110,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
         return []
     fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
-    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS] + [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
+    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
+    fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for softcap in (False, True)]
     return fwd + bwd + fp8
 

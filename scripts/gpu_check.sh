@@ -4,7 +4,7 @@
 #                                     kernels that could hang, each in its own process), bench, long (64k
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
-# Bench suites: SUITES (default "prefill backward decode"), their arguments BENCH_ARGS. Extra pytest
+# Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
 risky=${RISKY:-"tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
-       tests/test_bench_gpu.py tests/test_adapters_gpu.py tests/test_fp8_gpu.py"}
+       tests/test_bench_gpu.py tests/test_adapters_gpu.py tests/test_fp8_gpu.py tests/test_fp8_attention_gpu.py"}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -51,7 +51,7 @@ for stage in "${stages[@]}"; do
       done ;;
     bench)
       # JSON per suite (bench/results/ takes them as they are) and one combined log; SVG with BENCH_SVG=1.
-      for suite in ${SUITES:-prefill backward decode}; do
+      for suite in ${SUITES:-prefill backward decode fp8}; do
         svg=(); [ -n "${BENCH_SVG:-}" ] && svg=(--svg "$OUT/h200-$suite.svg")
         python3 -m cuflash bench --suite $suite --json "$OUT/h200-$suite.json" ${svg[@]+"${svg[@]}"} ${BENCH_ARGS:-} 2>&1 \
           | tee -a "$OUT/bench.log" | tail -60 || status=1

@@ -1,6 +1,6 @@
-// FP8 (OCP e4m3, "float8_e4m3fn") conversions and the key order of the FP8 forward's V^T tiles.
-// The conversions need sm_89 or newer.
+// FP8 (OCP e4m3, "float8_e4m3fn") conversions (sm_89 and newer), and the FP8 forward's P / V^T layout.
 #pragma once
+#include "fp8_layout.cuh"
 #include "types.cuh"
 
 // Two fp32 values -> two e4m3 bytes, lo in the low byte: round to nearest even, finite values beyond
@@ -15,7 +15,3 @@ __device__ __forceinline__ u16 to_e4m3x2(float lo, float hi) {
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) {
     return u32(to_e4m3x2(a, b)) | u32(to_e4m3x2(c, d)) << 16;
 }
-
-// Position p (0..15) of each 16-key group of a V^T row holds key fp8_v_key_order(p) of the group: the
-// order in which acc_to_a_frags_fp8 (common/hopper.cuh) packs P, so P's fragments need no shuffles.
-__host__ __device__ constexpr int fp8_v_key_order(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }

@@ -175,25 +175,17 @@ __device__ __forceinline__ void acc_to_a_frags(const float (&acc)[N / 2], u32 (&
         for (int r = 0; r < 4; ++r) a[kk][r] = elem_t::pack2(acc[8 * kk + 2 * r], acc[8 * kk + 2 * r + 1]);
 }
 
-// The FP8 version, for O += P V on e4m3 (m64nNk32, A from registers). An 8-bit A fragment holds, per
-// thread, rows g and g + 8 and k-elements 4 q4 .. 4 q4 + 3 (registers 0, 1) and 16 + 4 q4 .. (2, 3): four
-// consecutive k per register, where the fp32 accumulator gives a thread pairs of consecutive columns
-// (2 q4, 2 q4 + 1 of each 8-column group). Instead of moving bytes between lanes, each register packs the
-// thread's own pairs of two neighbouring 8-column groups, so fragment k-position 4 q4 + i of a 16-key half
-// holds key 2 q4 + (i & 1) + 8 (i >> 1). The B operand (V^T) must list its keys in that order:
-// fp8_v_key_order(p) below, applied by the V transpose pre-pass (kernels_cu/fp8/transpose_v.cu).
+// The FP8 version, for O += P V on e4m3 (m64nNk32, A from registers): each 8-bit A-fragment register
+// packs four of the thread's own accumulator elements (fp8_p_acc_index, common/fp8_layout.cuh), so the
+// B operand (V^T) holds its keys in fp8_v_key_order (the V transpose pre-pass, fa3/fp8_transpose_v.cu).
 template <int N>
 __device__ __forceinline__ void acc_to_a_frags_fp8(const float (&acc)[N / 2], u32 (&a)[N / 32][4]) {
 #pragma unroll
     for (int kk = 0; kk < N / 32; ++kk)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {  // row g, then g + 8
-                const int j0 = 4 * kk + 2 * half, j1 = j0 + 1;  // two 8-column groups of the accumulator
-                a[kk][2 * half + r] = e4m3x4(acc[4 * j0 + 2 * r], acc[4 * j0 + 2 * r + 1], acc[4 * j1 + 2 * r],
-                                             acc[4 * j1 + 2 * r + 1]);
-            }
+        for (int reg = 0; reg < 4; ++reg)
+            a[kk][reg] = e4m3x4(acc[fp8_p_acc_index(kk, reg, 0)], acc[fp8_p_acc_index(kk, reg, 1)],
+                                acc[fp8_p_acc_index(kk, reg, 2)], acc[fp8_p_acc_index(kk, reg, 3)]);
 }
 
 // The wgmma instructions themselves (m64nNk16 for N = 64, 128, 256; A from shared memory or registers;

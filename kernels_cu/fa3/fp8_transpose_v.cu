@@ -1,7 +1,7 @@
 // The FP8 forward's pre-pass: V (batch, seqlen_k, kv_heads, d) e4m3 -> V^T (batch, kv_heads, d, keys_padded).
 // FP8 wgmma reads its shared-memory B operand K-major only, and for O += P V the K dimension is the keys:
 // V^T rows hold keys contiguously. Within each 16-key group the keys are stored in fp8_v_key_order
-// (common/fp8.cuh), the order in which the kernel packs P into fragments. keys_padded = seqlen_k rounded
+// (common/fp8_layout.cuh), the order in which the kernel packs P into fragments. keys_padded = seqlen_k rounded
 // up to 16 (rows 16-byte aligned for TMA); keys past seqlen_k are zeros (P is 0 there, but 0 x NaN is NaN).
 //
 // One block per 64 keys of one (batch, KV head): the 64 x d bytes go through shared memory; each thread

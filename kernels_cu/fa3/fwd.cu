@@ -276,9 +276,11 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
 // FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and K or V
 // tile n's of a KV head.
 __device__ __forceinline__ float q_descale(const Fa3FwdParams& p, int batch, int head, int row) {
-    return p.q_descale[(i64(batch) * p.heads + head) * p.q_descale_blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
+    const i64 blocks = (i64(batch) * p.heads + head) * p.q_descale_blocks;
+    return p.q_descale[blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
 }
-__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head, int n) {
+__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head,
+                                            int n) {
     return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + n / p.kv_descale_tiles];
 }
 
@@ -345,8 +347,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
                     tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
-                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head,
-                                                 tma_batch);
+                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM,
+                                                 tile.head, tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
