@@ -5,6 +5,8 @@ layout, so any strides that TMA accepts (16-byte aligned) work without copies.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import _tma
@@ -21,7 +23,7 @@ HEADDIMS = tuple(sorted(FA3_TILES))
 MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
-BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "deterministic"})
+BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen", "deterministic"})
 BWD_HEADDIMS = (64, 96, 128)  # dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
@@ -86,7 +88,7 @@ def fp8_transpose_variant(headdim: int) -> Variant:
 
 
 BWD_PARAMS = np.dtype(
-    pointer_fields("dk", "dv") + stride_fields("dk", "dv")
+    pointer_fields("cu_seqlens_q", "cu_seqlens_k", "dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
     + pointer_fields("dq_semaphore"),
@@ -95,7 +97,7 @@ BWD_PARAMS = np.dtype(
 BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 
 
-def bwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
     dq_bytes = 2 * BWD_BLOCK_M * 64 * 4  # per consumer: one 64-column fp32 atom of dQ, staged for the reduce-add
@@ -104,7 +106,7 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False) -> Variant:
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
-         ("CUFLASH_SMEM_BYTES", smem)),
+         ("CUFLASH_VARLEN", int(varlen)), ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -114,8 +116,10 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
         return []
     fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
            for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
-    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS] + [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
-    bwd = [bwd_variant(d, dtype, softcap) for dtype in DTYPE_CODES for d in BWD_HEADDIMS for softcap in (False, True)]
+    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
+    fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
+    bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
+           for softcap in (False, True) for varlen in (False, True)]
     return fwd + bwd + fp8
 
 
@@ -237,43 +241,56 @@ def _sm_count() -> int:
 
 
 def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, window, scale: float, stream,
-             softcap: float = 0.0, deterministic: bool = False) -> None:
+             softcap: float = 0.0, deterministic: bool = False, cu_seqlens=None) -> None:
     """Launch preprocess (D and a copy of the LSE in padded rows, dQ accumulator zeroed), the main kernel
     and the dQ conversion on ``stream`` (the row passes are common/bwd_aux.cu's, shared with the other
     families). ``dsum`` (the caller's unpadded D buffer) is not used: the kernel's TMA loads of LSE and D
     rows need each block to start at a 16-byte aligned offset (a load at row 113 of a head faulted with an
-    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here.
+    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here:
+    (batch, heads, pitch), or for packed batches (``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k), ``dims``
+    with the longest lengths) (heads, pitch) with each sequence from a 64-aligned row (bwd.cu: lse_row0).
     ``deterministic``: the K blocks add their dQ shares of each Q block in a fixed order (zeroed counters per
     (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run."""
-    pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M
-    total = dims.batch * dims.heads * pitch
+    cu_q, cu_k = cu_seqlens or (None, None)
+    varlen = cu_q is not None
+    q_pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M  # Q blocks x 64 of the longest
+    if varlen:  # per head: every sequence's rows from round_up(cu_q[b], 64) + 64 b
+        pitch = (q.shape[0] + BWD_BLOCK_M * (dims.batch + 1) + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M
+        total = dims.heads * pitch
+    else:
+        pitch = q_pitch
+        total = dims.batch * dims.heads * pitch
     if total >= 2 ** 31:
-        raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: batch x heads x seqlen_q "
-                         f"(seqlen_q rounded up to {BWD_BLOCK_M}) must be below 2^31; got {total}")
+        raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: its padded rows (heads x "
+                         f"batch x seqlen_q, or heads x total_q, padded per {BWD_BLOCK_M}) must be below 2^31; "
+                         f"got {total}")
     import cupy
 
     rows = cupy.empty((2, total), dtype=cupy.float32)
     lse_rows, dsum_rows = rows[0], rows[1]
-    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch)
-    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0)
+    aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
+    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
+                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch)
+    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen)
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
-            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum, dims), _rows_map(lse_rows), _rows_map(dsum_rows))
+            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum), _rows_map(lse_rows), _rows_map(dsum_rows))
     p = np.zeros(1, BWD_PARAMS)
     p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
+    if varlen:
+        p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
         atoms = -(-dims.headdim // 64)
-        semaphore = cupy.zeros((dims.batch, dims.heads, pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
+        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
-    p["row_batch_stride"], p["row_head_stride"] = dims.heads * pitch, pitch
+    p["row_batch_stride"], p["row_head_stride"] = (0 if varlen else dims.heads * pitch), pitch
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     p["scale"] = scale
     grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
     launch(variant, grid, (*maps, p), stream)
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
 
 
 def _rows_map(rows):
@@ -285,9 +302,11 @@ def _rows_map(rows):
     return _tma.encode_tiled(rows.data.ptr, "float32", (rows.size, 1), (row_bytes,), (BWD_BLOCK_M, 1), swizzle=0)
 
 
-def _dq_accum_map(dq_accum, dims: Dims):
-    """The fp32 dQ accumulator (batch, heads, seqlen_q, d) as a 3-D map (d, seqlen_q, batch x heads) with
-    64-row x 32-column boxes in the 128-byte swizzle, for the backward's reduce-adds."""
-    d, rows = dims.headdim, dims.seqlen_q
-    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, dims.batch * dims.heads), (d * 4, rows * d * 4),
+def _dq_accum_map(dq_accum):
+    """The fp32 dQ accumulator, (batch, heads, seqlen_q, d) or packed (heads, total_q, d), as a 3-D map
+    (d, rows, batch x heads or heads) with 64-row x 32-column boxes in the 128-byte swizzle, for the
+    backward's reduce-adds."""
+    *lead, rows, d = dq_accum.shape
+    planes = int(np.prod(lead))
+    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, planes), (d * 4, rows * d * 4),
                              (32, BWD_BLOCK_M, 1), swizzle=128)

@@ -140,7 +140,7 @@ FA3_FP8_TILES = {
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. Measured on the H200 (scripts/quick_perf.py,
 # bf16, 16k tokens, N = 2k-8k): forward FA3 334-754 TF/s > FA2 250-330 > FA1 55-147; backward FA3 (d = 64,
-# 128; no varlen yet; its softcap and deterministic modes are not measured yet) 227-417 > FA2 158-228 > FA1
+# 128; its d = 96, softcap, varlen and deterministic modes are not measured yet) 227-417 > FA2 158-228 > FA1
 # 89-129 at d <= 128, and FA2 115-126 > FA1 65-68 at d = 256 (2026-11-30).
 IMPL_PREFERENCE = {"forward": ("fa3", "fa2", "fa1"), "backward": ("fa3", "fa2", "fa1")}
 

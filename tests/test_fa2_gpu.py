@@ -8,7 +8,7 @@ import pytest
 
 import cuflash
 from cuflash import reference as ref
-from gpu_checks import check_backward, check_forward, check_varlen_forward, varlen_batch, varlen_sequences
+from gpu_checks import check_backward, check_forward, check_varlen_backward, varlen_batch
 from gpu_checks import inputs as _inputs
 
 pytestmark = pytest.mark.gpu
@@ -193,29 +193,7 @@ VARLEN_CASES = [
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", VARLEN_CASES)
 def test_varlen_forward_backward(d, causal, lens):
-    import cupy
-
-    rng = np.random.default_rng()
-    lens_q, lens_k = lens
-    q, k, v, cu_q, cu_k, hq, hk = varlen_batch(rng, lens_q, lens_k, 6, 2, d)
-    out, lse = cuflash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                              return_lse=True, impl="fa2")
-    dout = cupy.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
-    dq, dk, dv = cuflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                    causal=causal, impl="fa2")
-    check_varlen_forward(out, lse, q, k, v, hq, hk, causal=causal)
-    for b, qs, qe, ks, ke in varlen_sequences(hq, hk):
-        if ke == ks:
-            continue
-        qb, kb, vb, dob = q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], dout[None, qs:qe]  # one sequence
-        g_ref = ref.attention_ref_backward(dob, qb, kb, vb, causal=causal)
-        g_low = ref.attention_ref_backward_lowp(dob, qb, kb, vb, causal=causal)
-        for name, g, s, e, gr, gl in (("dq", dq, qs, qe, g_ref[0], g_low[0]), ("dk", dk, ks, ke, g_ref[1], g_low[1]),
-                                      ("dv", dv, ks, ke, g_ref[2], g_low[2])):
-            ref.check_close(f"{name}[{b}]", g[None, s:e], gr, gl)
-    # rows after the last sequence belong to none
-    assert float(abs(out[int(hq[-1]):].astype("float32")).max()) == 0.0
-    assert float(abs(dk[int(hk[-1]):].astype("float32")).max()) == 0.0
+    check_varlen_backward("fa2", np.random.default_rng(), *lens, 6, 2, d, causal=causal)
 
 
 def test_varlen_bad_offsets_are_refused():

@@ -48,5 +48,5 @@ def test_probe_catches_a_moved_field(tmp_path, monkeypatch):
     swapped = np.dtype([(n, fa3.BWD_PARAMS.fields[n][0]) for n in names], align=True)
     src = tmp_path / "probe_swapped.cu"
     src.write_text(layout_probe("Fa3BwdParams", swapped, "fa3/params.cuh"))
-    with pytest.raises(_jit.CompileError, match="Fa3BwdParams.dk"):
+    with pytest.raises(_jit.CompileError, match="Fa3BwdParams.cu_seqlens"):
         _jit.compile_variant(_jit.Variant("probe", str(src), "probe", ()), "sm_80")

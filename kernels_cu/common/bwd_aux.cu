@@ -20,6 +20,12 @@ struct BwdAuxParams {
     const float* lse;  // the forward's LSE, contiguous (batch, heads, seqlen_q); read only when lse_rows is set
     float* lse_rows;   // null, or its copy in dsum's layout
     i64 row_pitch;     // >= seqlen_q
+    // Packed variable-length rows (batch 1 of seqlen_q = total rows) with lse_rows: null, or the (varlen_batch
+    // + 1) sequence offsets; row i of sequence b then goes to row round_up(cu[b], 64) + 64 b + (i - cu[b]) of
+    // its head's padded row (the FA3 backward's layout, 16-byte aligned blocks); rows of no sequence are not
+    // written.
+    const int* cu_seqlens_q;
+    int varlen_batch;
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -61,7 +67,18 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (lane == 0) {
-        const i64 row = (i64(b) * p.heads + h) * p.row_pitch + i;
+        i64 row = (i64(b) * p.heads + h) * p.row_pitch + i;
+        if (p.cu_seqlens_q) {
+            const int* cu = p.cu_seqlens_q;
+            if (i >= cu[p.varlen_batch]) return;  // past the last sequence
+            int lo = 0, hi = p.varlen_batch;      // the sequence holding row i: the last lo with cu[lo] <= i
+            while (hi - lo > 1) {
+                const int mid = (lo + hi) / 2;
+                if (cu[mid] <= i) lo = mid;
+                else hi = mid;
+            }
+            row = i64(h) * p.row_pitch + (cu[lo] + 63) / 64 * 64 + 64 * lo + (i - cu[lo]);
+        }
         p.dsum[row] = acc;
         if (p.lse_rows) p.lse_rows[row] = p.lse[r];
     }

@@ -21,17 +21,22 @@
 //   At the end dK (times the softmax scale) and dV are stored from registers.
 //   Deterministic mode (p.dq_semaphore set): the K blocks that touch a Q block add their dQ shares in
 //   block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run to run.
-// Not yet: varlen, dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
+//   Variable length (CUFLASH_VARLEN): packed (total, heads, d) inputs, each block finds its sequence through
+//   cu_seqlens (common/seqlen.cuh) and works in that sequence's rows; the padded LSE / D rows of a
+//   sequence start at lse_row0 (cuflash/fa3.py builds them).
+// Not yet: dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
-// CUFLASH_SMEM_BYTES.
+// CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
+#include "common/seqlen.cuh"
 #include "fa3/params.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr bool VARLEN = CUFLASH_VARLEN;
 constexpr int BM = 64;   // query rows per step
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
 constexpr int STAGES = 2;
@@ -90,6 +95,20 @@ __device__ __forceinline__ DqTurn dq_turn(const Fa3BwdParams& p, const Mask& mas
     return {p.dq_semaphore + ((i64(batch) * p.heads + h) * q_blocks + m) * ATOMS + a, n_block - n_first};
 }
 
+// This block's sequence: its lengths and, in a packed batch, its first rows.
+__device__ __forceinline__ SeqInfo sequence(const Fa3BwdParams& p, int batch) {
+    return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
+                  : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
+}
+
+// The first of head h's LSE / D rows for this sequence, in the padded layout cuflash/fa3.py builds:
+// (batch, heads, pitch) for fixed length; for packed batches (heads, pitch) with sequence b's rows from
+// round_up(cu_seqlens_q[b], 64) + 64 b, so every block of BM rows starts 16-byte aligned for TMA.
+__device__ __forceinline__ int lse_row0(const Fa3BwdParams& p, const SeqInfo& seq, int batch, int h) {
+    if constexpr (VARLEN) return int(i64(h) * p.row_head_stride) + (seq.q_start + 63) / 64 * 64 + 64 * batch;
+    return int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride);
+}
+
 // Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
 struct Lane {
     int w, g, q4;
@@ -106,9 +125,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
     const int warpgroup = threadIdx.x / 128;
-    const Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    // The Q blocks this K block sees, [m_lo, m_hi): each role computes them after its setmaxnreg (ptxas
-    // spilled them when they lived across it).
+    // The sequence, its mask and the Q blocks this K block sees, [m_lo, m_hi): each role finds them after its
+    // setmaxnreg (ptxas spilled them when they lived across it).
     int m_lo, m_hi;
 
     if (threadIdx.x == 0) {
@@ -123,23 +141,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
         regs_decrease<24>();
+        const SeqInfo seq = sequence(p, batch);
+        const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
         if (threadIdx.x != 0 || m_lo == m_hi) return;
+        const int tma_batch = VARLEN ? 0 : batch;  // a packed batch is one entry of total rows
         mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
-        tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, n_block * BN, kv_head, batch);
-        tma_load_atoms<ATOMS>(sm.v, BN, &map_v, &sm.kv_full, n_block * BN, kv_head, batch);
+        tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
+        tma_load_atoms<ATOMS>(sm.v, BN, &map_v, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
         int i = 0;
         for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
             for (int m = m_lo; m < m_hi; ++m, ++i) {
                 const int s = i % STAGES;
                 mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
                 mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
-                tma_load_atoms<ATOMS>(sm.q[s], BM, &map_q, &sm.qd_full[s], m * BM, h, batch);
-                tma_load_atoms<ATOMS>(sm.dout[s], BM, &map_do, &sm.qd_full[s], m * BM, h, batch);
-                // LSE and D rows of the block: the flat (batch, heads, seqlen_q) arrays as one flat row each. A last
-                // block's rows past seqlen_q read the next head's values (or zeros past the end): the
-                // consumers never use them.
-                const int row0 = int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride) + m * BM;
+                tma_load_atoms<ATOMS>(sm.q[s], BM, &map_q, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
+                tma_load_atoms<ATOMS>(sm.dout[s], BM, &map_do, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
+                // LSE and D rows of the block from the padded rows (one flat row each). A last block's rows
+                // past the sequence read padding or the next rows (or zeros past the end): the consumers
+                // never use them. (Packed Q / dO rows past the sequence are the next sequence's: masked.)
+                const int row0 = lse_row0(p, seq, batch, h) + m * BM;
                 tma_load_2d(sm.lse[s], &map_lse, &sm.qd_full[s], row0, 0);
                 tma_load_2d(sm.dsum[s], &map_dsum, &sm.qd_full[s], row0, 0);
             }
@@ -149,6 +170,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     // ------------------------------------------------------------------------------------- consumers
     regs_increase<240>();
+    const SeqInfo seq = sequence(p, batch);
+    const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
     mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
     const int c = warpgroup - 1;  // which 64 keys of the block
     const int t = threadIdx.x % 128, lane = t % 32;
@@ -181,9 +204,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int r = 8 * j + 2 * ln.q4 + e, row = m * BM + r;
-                        const float l = row < p.seqlen_q ? sm.lse[s][r] : neg_inf();
+                        const float l = row < seq.seqlen_q ? sm.lse[s][r] : neg_inf();
                         lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
-                        dsum[j][e] = row < p.seqlen_q ? sm.dsum[s][r] : 0.f;
+                        dsum[j][e] = row < seq.seqlen_q ? sm.dsum[s][r] : 0.f;
                     }
                 const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
 
@@ -282,7 +305,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                 make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
                         }
                     // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows
-                    // past seqlen_q fall out of bounds instead of into the next head.
+                    // past seqlen_q fall out of bounds instead of into the next head. Packed batches: (D,
+                    // total_q, heads); rows past the sequence are the next sequence's and get exact zeros
+                    // (P is 0 for them), which leave those sums as they are.
                     fence_async_smem();
                     named_sync(DQ_BAR + c, 128);
                     if (t == 0) {
@@ -295,8 +320,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
                         for (int box = 0; box < 2; ++box)
                             if (a * 64 + box * 32 < D)  // (d = 96: the padding's box is not added)
-                                tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32, m * BM,
-                                                  batch * p.heads + h);
+                                tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32,
+                                                  seq.q_start + m * BM, VARLEN ? h : batch * p.heads + h);
                         tma_store_commit();
                         if (p.dq_semaphore) {
                             const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
@@ -315,9 +340,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_lo + 8 * r;
-        if (key >= p.seqlen_k) continue;
-        u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + key * p.dk_row_stride;
-        u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + key * p.dv_row_stride;
+        if (key >= seq.seqlen_k) continue;
+        const i64 row = i64(seq.k_start) + key;
+        u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + row * p.dk_row_stride;
+        u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + row * p.dv_row_stride;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
             const int col = 8 * j + 2 * ln.q4;

@@ -25,12 +25,14 @@ struct Fa3FwdParams {
 
 struct Fa3BwdParams {
     // LSE, D and dQ reach the kernel through tensor maps (cuflash/fa3.py: backward)
+    const int* cu_seqlens_q;  // CUFLASH_VARLEN: (batch + 1) row offsets of the packed sequences
+    const int* cu_seqlens_k;
     u16* dk;
     u16* dv;
     i64 dk_batch_stride, dk_row_stride, dk_head_stride;
     i64 dv_batch_stride, dv_row_stride, dv_head_stride;
-    i64 row_batch_stride, row_head_stride;  // of the LSE / D rows, padded to a multiple of 64 per head
-    int batch, heads, kv_heads, seqlen_q, seqlen_k;
+    i64 row_batch_stride, row_head_stride;  // of the padded LSE / D rows (bwd.cu: lse_row0)
+    int batch, heads, kv_heads, seqlen_q, seqlen_k;  // the longest lengths when CUFLASH_VARLEN
     int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
     float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
     float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
