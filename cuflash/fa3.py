@@ -254,8 +254,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     cu_q, cu_k = cu_seqlens or (None, None)
     varlen = cu_q is not None
     q_pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M  # Q blocks x 64 of the longest
-    if varlen:  # per head: every sequence's rows from round_up(cu_q[b], 64) + 64 b
-        pitch = (q.shape[0] + BWD_BLOCK_M * (dims.batch + 1) + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M
+    if varlen:  # per head: every sequence's rows from a 64-aligned start (common/padded_rows.cuh)
+        pitch = varlen_row_pitch(q.shape[0], dims.batch)
         total = dims.heads * pitch
     else:
         pitch = q_pitch
@@ -291,6 +291,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
+
+
+def varlen_row_pitch(total_q: int, batch: int) -> int:
+    """Rows per head of the FA3 backward's padded LSE / D rows for a packed batch: sequence b starts at
+    padded_seq_start(cu_q[b], b) = round_up(cu_q[b], 64) + 64 b (common/padded_rows.cuh) and the producer
+    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch."""
+    return (total_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M + BWD_BLOCK_M * batch
 
 
 def _rows_map(rows):

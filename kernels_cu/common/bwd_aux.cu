@@ -4,6 +4,7 @@
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
 //   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
 // Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
+#include "common/padded_rows.cuh"
 #include "common/types.cuh"
 
 struct BwdAuxParams {
@@ -21,8 +22,8 @@ struct BwdAuxParams {
     float* lse_rows;   // null, or its copy in dsum's layout
     i64 row_pitch;     // >= seqlen_q
     // Packed variable-length rows (batch 1 of seqlen_q = total rows) with lse_rows: null, or the (varlen_batch
-    // + 1) sequence offsets; row i of sequence b then goes to row round_up(cu[b], 64) + 64 b + (i - cu[b]) of
-    // its head's padded row (the FA3 backward's layout, 16-byte aligned blocks); rows of no sequence are not
+    // + 1) sequence offsets; row i of sequence b then goes to row padded_seq_start(cu[b], b) + (i - cu[b]) of
+    // its head's padded row (common/padded_rows.cuh: the FA3 backward's layout); rows of no sequence are not
     // written.
     const int* cu_seqlens_q;
     int varlen_batch;
@@ -77,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
                 if (cu[mid] <= i) lo = mid;
                 else hi = mid;
             }
-            row = i64(h) * p.row_pitch + (cu[lo] + 63) / 64 * 64 + 64 * lo + (i - cu[lo]);
+            row = i64(h) * p.row_pitch + padded_seq_start(cu[lo], lo) + (i - cu[lo]);
         }
         p.dsum[row] = acc;
         if (p.lse_rows) p.lse_rows[row] = p.lse[r];

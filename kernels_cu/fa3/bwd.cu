@@ -30,6 +30,7 @@
 // CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
+#include "common/padded_rows.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
 #include "fa3/params.cuh"
@@ -103,9 +104,9 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3BwdParams& p, int batch) {
 
 // The first of head h's LSE / D rows for this sequence, in the padded layout cuflash/fa3.py builds:
 // (batch, heads, pitch) for fixed length; for packed batches (heads, pitch) with sequence b's rows from
-// round_up(cu_seqlens_q[b], 64) + 64 b, so every block of BM rows starts 16-byte aligned for TMA.
+// padded_seq_start (common/padded_rows.cuh), so every block of BM rows starts 16-byte aligned for TMA.
 __device__ __forceinline__ int lse_row0(const Fa3BwdParams& p, const SeqInfo& seq, int batch, int h) {
-    if constexpr (VARLEN) return int(i64(h) * p.row_head_stride) + (seq.q_start + 63) / 64 * 64 + 64 * batch;
+    if constexpr (VARLEN) return int(i64(h) * p.row_head_stride) + padded_seq_start(seq.q_start, batch);
     return int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride);
 }
 
