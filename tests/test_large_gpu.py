@@ -19,7 +19,8 @@ The reference runs in float32 CuPy on the same data in chunks of key rows (nothi
 seqlen_q x seqlen_k or a float32 copy of K is ever whole): an online softmax pass for out and lse,
 then a pass for the low-precision reference (the same attention with S, P, dP, dS rounded to bf16, as
 ``cuflash.reference.attention_ref_lowp`` / ``attention_ref_backward_lowp`` do), then the backward pass,
-which compares dk / dv chunk by chunk. Tolerances are FlashAttention's rule as in
+which compares dk / dv chunk by chunk (the FP8 forward's row: the reference on the dequantised e4m3
+values, P rounded to e4m3 in the low-precision pass). Tolerances are FlashAttention's rule as in
 ``cuflash.reference.check_close``: max |out - ref| <= 2 * max |lowp - ref| + atol. Outputs come from
 the poisoned allocator, so an element never written is NaN and fails.
 
@@ -157,12 +158,20 @@ def _round_bf16(x):
     return x.astype(_bf16()).astype(cupy.float32)
 
 
-def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None):
-    """Attention of one sequence: q, dout (sq, H, D); k, v (sk, Hkv, D) bf16 views (sk may pass 2^22).
+def _bf16_scores(raw, scale):
+    """S as a plain bf16 implementation rounds it: the product, then the scaled score."""
+    return _round_bf16(_round_bf16(raw) * scale)
+
+
+def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scores=_bf16_scores,
+                       low_p=_round_bf16):
+    """Attention of one sequence: q, dout (sq, H, D); k, v (sk, Hkv, D) bf16 (or float32) views (sk may
+    pass 2^22).
 
     Returns a dict of float32 CuPy arrays: out / out_low (sq, H, D), lse (H, sq); with ``dout`` also
     dq / dq_low (sq, H, D), and with ``got_dk`` / ``got_dv`` (the kernel's (sk, Hkv, D) gradients)
-    the _Tally of each, already fed.
+    the _Tally of each, already fed. The low-precision model rounds the scores with ``low_scores(raw,
+    scale)`` and P with ``low_p`` (bf16 both by default; the FP8 kernel: exact scores, P in e4m3).
     """
     import cupy
 
@@ -189,7 +198,7 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None):
             vc = v[s:e].astype(f32).transpose(1, 0, 2)
             raw = cupy.matmul(qr, kc.transpose(0, 2, 1))  # (Hkv, rows, C), fp32 accumulation
             s32 = raw * f32(scale)
-            slow = _round_bf16(_round_bf16(raw) * f32(scale))  # as a plain bf16 implementation rounds S
+            slow = low_scores(raw, f32(scale))
             if causal:
                 hidden = cupy.arange(s, e)[None, :] > last_visible[:, None]
                 s32 = cupy.where(hidden[None], -cupy.inf, s32).astype(f32)
@@ -227,7 +236,7 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None):
     acc_low = cupy.zeros((hkv, rows, d), dtype=cupy.float64)
     delta_low = cupy.zeros((hkv, rows), dtype=cupy.float64)
     for _, _, vc, _, slow in chunks():
-        p_low = _round_bf16(cupy.exp(slow - lse_low_safe[..., None]))
+        p_low = low_p(cupy.exp(slow - lse_low_safe[..., None]))
         acc_low += cupy.matmul(p_low, vc)
         if dor is not None:
             dp_low = _round_bf16(cupy.matmul(dor, vc.transpose(0, 2, 1)))
@@ -373,3 +382,52 @@ def test_varlen_kv_past_2_31_elements(poison_allocations, big_kv, causal):
     assert float(cupy.abs(out[tail].astype(cupy.float32)).max()) == 0.0
     assert bool((lse[:, tail] == -cupy.inf).all())
     assert float(cupy.abs(dq[tail].astype(cupy.float32)).max()) == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_kv_past_2_31_elements(poison_allocations, big_kv, causal):
+    """The FP8 forward on the same K/V quantised to e4m3 (2^31 + 18,944 elements each: the V transpose and
+    the kernel address rows past element 2^31): out and LSE against the chunked reference on the dequantised
+    values in float32, with P rounded to e4m3 as the low-precision model and atol 1e-2, as in
+    tests/test_fp8_attention_gpu.py. q and k share the Hadamard rotation, so their dot products are the
+    original ones and the needles still stand out."""
+    import cupy
+
+    from cuflash import fp8
+
+    if "fa3" not in cuflash.available_impls("forward"):
+        pytest.skip("the FP8 forward is FA3's (Hopper)")
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    if free < 40 << 30:  # e4m3 K/V and V^T 6.5 GB, float32 copies of K/V 17 GB, reference temporaries
+        pytest.skip(f"needs 40 GiB of free GPU memory next to K/V; {free / 2**30:.1f} GiB free")
+    k, v = big_kv
+    seed = _seed()
+    rng, nprng = cupy.random.default_rng(seed), np.random.default_rng(seed)
+    q = _randn(rng, (1, SEQLEN_Q, HEADS, D))
+    special = [SEQLEN_K - 1, BOUNDARY_ROW, BOUNDARY_ROW - 1, SEQLEN_K - 2, BOUNDARY_ROW + 17, 0]
+    _plant_needles(q[0], k[0], _needle_rows(nprng, SEQLEN_Q, 0, SEQLEN_K, special))
+    q8, qs = fp8.quantize(q, block=None, hadamard=True, seed=seed)
+    k8, ks = fp8.quantize(k, block=128, hadamard=True, seed=seed)
+    v8, vs = fp8.quantize(v, block=128, hadamard=False)
+    out, lse = cuflash.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                       descale_block=(128, 128), causal=causal, return_lse=True)
+    cupy.cuda.get_current_stream().synchronize()
+    assert out.shape == q.shape and str(out.dtype) == "bfloat16" and lse.shape == (1, HEADS, SEQLEN_Q)
+
+    def dequantised(data, descale):  # (sk, Hkv, D) float32, chunk by chunk: e4m3 value x its block's descale
+        x = cupy.empty(data.shape[1:], dtype=cupy.float32)
+        for s in range(0, data.shape[1], CHUNK):
+            e = min(s + CHUNK, data.shape[1])
+            scale = descale[0][:, cupy.arange(s, e) // 128].T[..., None]  # (Hkv, C) -> (C, Hkv, 1)
+            x[s:e] = ref.e4m3_values(data[0, s:e]) * scale
+        return x
+
+    qf = ref.e4m3_values(q8[0]) * qs[0, :, 0][None, :, None]
+    kf = dequantised(k8, ks)
+    vf = dequantised(v8, vs)
+    del k8, v8
+    want = _chunked_reference(qf, kf, vf, None, causal, low_scores=lambda raw, scale: raw * scale,
+                              low_p=ref.round_e4m3)
+    del kf, vf
+    ref.check_close("fp8 out", out[0], want["out"], want["out_low"], atol=1e-2)
+    ref.check_close("fp8 lse", lse[0], want["lse"], want["lse"], atol=LSE_ATOL + 1e-2)
