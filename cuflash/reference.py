@@ -482,6 +482,19 @@ def check_close(name, out, ref, lowp_ref, *, atol=1e-3):
     return max_err
 
 
+def check_fp8_attention(name, out, lse, data, descales, *, descale_block=(128, 128), causal=False,
+                        softmax_scale=None, atol=1e-2):
+    """The FP8 forward's ``out`` and ``lse`` against ``attention_fp8_ref`` of the same e4m3 bytes ``data`` =
+    (q, k, v) and ``descales``, by ``check_close``: out with the model that rounds P to e4m3 (and the output
+    to bf16) as the low-precision reference, the LSE against the exact one, both with ``atol``
+    (tests/test_fp8_attention_gpu.py derives these tolerances). Raises AssertionError naming ``name``."""
+    kw = dict(descale_block=descale_block, causal=causal, softmax_scale=softmax_scale)
+    o_ref, lse_ref = attention_fp8_ref(*data, *descales, **kw)
+    o_model, _ = attention_fp8_ref(*data, *descales, **kw, round_p=True)
+    check_close(f"{name} out", out, o_ref, _round_to(o_model, "bfloat16"), atol=atol)
+    check_close(f"{name} lse", lse, lse_ref, lse_ref, atol=atol)
+
+
 # ----------------------------------------------------------------------------------------------------
 # materialised "standard attention" (the benchmark peer)
 # ----------------------------------------------------------------------------------------------------

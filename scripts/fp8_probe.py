@@ -1,6 +1,6 @@
-"""The FP8 forward (cuflash.fa3.forward_fp8) on its own, for kernel work: error against an fp32 reference on
-the dequantised e4m3 inputs, and TFLOP/s at FlashAttention benchmark shapes (16k tokens, hidden 2048) next
-to the bf16 FA3 kernel. Bypasses the public API's validation.
+"""The FP8 forward (cuflash.fa3.forward_fp8) on its own, for kernel work: error against
+cuflash.reference.attention_fp8_ref (the dequantised e4m3 inputs, float64), and TFLOP/s at FlashAttention
+benchmark shapes (16k tokens, hidden 2048) next to the bf16 FA3 kernel. Bypasses the public API's validation.
 
     python scripts/fp8_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--no-time] [--no-check]
                                 [--tiles 128:128:3:0[:0],...]   # d:block_n:stages:intra_wg_overlap[:pingpong]
@@ -12,43 +12,8 @@ import argparse
 import cupy
 import numpy as np
 
-from cuflash import _validate, fa3, fp8, heuristics
+from cuflash import _validate, fa3, fp8, heuristics, reference
 from cuflash.bench import time_fn
-
-
-def e4m3_table() -> np.ndarray:
-    """float32 value of each e4m3fn byte (1 sign, 4 exponent bits with bias 7, 3 mantissa bits; 0x7f/0xff NaN)."""
-    b = np.arange(256)
-    sign = np.where(b >> 7, -1.0, 1.0)
-    e, m = (b >> 3) & 15, b & 7
-    mag = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7.0))
-    mag[(e == 15) & (m == 7)] = np.nan
-    return (sign * mag).astype(np.float32)
-
-
-TABLE = e4m3_table()
-
-
-def dequant(data, descale, block):
-    x = TABLE[cupy.asnumpy(data)]                       # (b, s, h, d)
-    sc = np.repeat(cupy.asnumpy(descale), block, axis=2)[:, :, : x.shape[1]]  # (b, h, s)
-    return x * sc.transpose(0, 2, 1)[..., None]
-
-
-def reference(q, k, v, causal, scale):
-    b, sq, h, d = q.shape
-    hk = k.shape[2]
-    k = np.repeat(k, h // hk, axis=2)
-    v = np.repeat(v, h // hk, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    if causal:
-        sk = k.shape[1]
-        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
-        s = np.where(j <= i + sk - sq, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    return np.einsum("bhqk,bkhd->bqhd", p / l, v), (m + np.log(l))[..., 0]
 
 
 def run(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
@@ -74,10 +39,12 @@ def check(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
     call, qq, kk, vv, out, lse, scale = run(b, sq, sk, h, hk, d, causal, qblock, kvblock)
     call()
     cupy.cuda.runtime.deviceSynchronize()
-    ref, ref_lse = reference(dequant(*qq), dequant(*kk), dequant(*vv), causal, scale)
+    (q8, qs, q_block), (k8, ks, kv_block), (v8, vs, _) = qq, kk, vv
+    ref_o, ref_lse = reference.attention_fp8_ref(q8, k8, v8, qs, ks, vs, descale_block=(q_block, kv_block),
+                                                 causal=causal, softmax_scale=scale)
     o = cupy.asnumpy(out.astype(cupy.float32))
-    err = np.abs(o - ref)
-    lse_err = np.abs(cupy.asnumpy(lse) - ref_lse)
+    err = np.abs(o - cupy.asnumpy(ref_o))
+    lse_err = np.abs(cupy.asnumpy(lse) - cupy.asnumpy(ref_lse))
     print(f"check b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} qblock={qblock} kvblock={kvblock}: "
           f"max|out-ref| {np.nanmax(err):.3e} rms {np.sqrt(np.nanmean(err ** 2)):.3e} nan {int(np.isnan(o).sum())} "
           f"max|lse-ref| {np.nanmax(lse_err):.3e}", flush=True)

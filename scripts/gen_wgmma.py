@@ -53,62 +53,41 @@ def outs(n):
     return ", ".join(f'"+f"(d[{i}])' for i in range(n // 2))
 
 
-def ss(n, name="wgmma_ss<{n}, TB>", trans_a=0):
+# The instruction after "m64n{N}": 16-bit inputs (the element type from CUFLASH_DTYPE), or e4m3.
+K16 = 'k16." CUFLASH_WGMMA_TYPES "'
+K32_E4M3 = "k32.f32.e4m3.e4m3"
+
+
+def ss(n, name="wgmma_ss<{n}, TB>", trans_a=0, shape=K16):
+    """A and B from shared memory. trans_a None: no transpose operands (FP8: K-major only)."""
     r = n // 2
+    tail, operand = ("", "") if trans_a is None else (f", {trans_a}, %{r + 3}", ', "n"(TB)')
     return f'''
 template <>
 __device__ __forceinline__ void {name.format(n=n)}(float (&d)[{r}], u64 desc_a, u64 desc_b, int accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16." CUFLASH_WGMMA_TYPES " "
-        "{{{regs(n)}}}, %{r}, %{r + 1}, p, 1, 1, {trans_a}, %{r + 3};\\n}}\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}{shape} "
+        "{{{regs(n)}}}, %{r}, %{r + 1}, p, 1, 1{tail};\\n}}\\n"
         : {outs(n)}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TB));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate){operand});
 }}
 '''
 
 
-def rs(n):
+def rs(n, name="wgmma_rs<{n}, TB>", trans_b=True, shape=K16):
+    """A from registers. trans_b False: no transpose operand (FP8)."""
     r = n // 2
+    tail, operand = (f", %{r + 6}", ', "n"(TB)') if trans_b else ("", "")
     return f'''
 template <>
-__device__ __forceinline__ void wgmma_rs<{n}, TB>(float (&d)[{r}], const u32 (&a)[4], u64 desc_b, int accumulate) {{
+__device__ __forceinline__ void {name.format(n=n)}(float (&d)[{r}], const u32 (&a)[4], u64 desc_b, int accumulate) {{
     asm volatile(
         "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16." CUFLASH_WGMMA_TYPES " "
-        "{{{regs(n)}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1, %{r + 6};\\n}}\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}{shape} "
+        "{{{regs(n)}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1{tail};\\n}}\\n"
         : {outs(n)}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TB));
-}}
-'''
-
-
-def ss_fp8(n):
-    r = n // 2
-    return f'''
-template <>
-__device__ __forceinline__ void wgmma_ss_fp8<{n}>(float (&d)[{r}], u64 desc_a, u64 desc_b, int accumulate) {{
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-        "{{{regs(n)}}}, %{r}, %{r + 1}, p, 1, 1;\\n}}\\n"
-        : {outs(n)}
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}}
-'''
-
-
-def rs_fp8(n):
-    r = n // 2
-    return f'''
-template <>
-__device__ __forceinline__ void wgmma_rs_fp8<{n}>(float (&d)[{r}], const u32 (&a)[4], u64 desc_b, int accumulate) {{
-    asm volatile(
-        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "
-        "{{{regs(n)}}}, {{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1;\\n}}\\n"
-        : {outs(n)}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate){operand});
 }}
 '''
 
@@ -122,8 +101,8 @@ def main():
     for n in WIDTHS:
         body.append(ss(n, "wgmma_ss_mn<{n}>", trans_a=1).replace("TB", "1"))
     for n in FP8_WIDTHS:
-        body.append(ss_fp8(n))
-        body.append(rs_fp8(n))
+        body.append(ss(n, "wgmma_ss_fp8<{n}>", trans_a=None, shape=K32_E4M3))
+        body.append(rs(n, "wgmma_rs_fp8<{n}>", trans_b=False, shape=K32_E4M3))
     OUT.write_text("".join(body))
     print(f"wrote {OUT}")
 

@@ -258,9 +258,7 @@ def _fp8_applies(cfg, available) -> bool:
 def run_fp8_case(cfg, q, k, v):
     """q, k, v quantised (Hadamard on q and k with one seed) and the FP8 forward against the reference of the
     same bytes: out by the tolerance rule with P rounded to e4m3 (then bf16) as the low-precision model and
-    atol 1e-2, the LSE within 1e-2 (tests/test_fp8_attention_gpu.py derives both)."""
-    import cupy
-
+    atol 1e-2, the LSE within 1e-2 (reference.check_fp8_attention)."""
     q_block, kv_block = cfg["fp8_blocks"]
     qd, qs = fp8.quantize(q, block=q_block, hadamard=True, seed=11)
     kd, ks = fp8.quantize(k, block=kv_block, hadamard=True, seed=11)
@@ -270,10 +268,7 @@ def run_fp8_case(cfg, q, k, v):
     out, lse = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
                                        return_lse=True, **kw)
     assert out.shape == q.shape and str(out.dtype) == "bfloat16", (out.shape, out.dtype)
-    o_ref, lse_ref = ref.attention_fp8_ref(qd, kd, vd, qs, ks, vs, **kw)
-    o_model, _ = ref.attention_fp8_ref(qd, kd, vd, qs, ks, vs, **kw, round_p=True)
-    ref.check_close("fa3 fp8 forward out", out, o_ref, o_model.astype(cupy.float32).astype("bfloat16"), atol=1e-2)
-    ref.check_close("fa3 fp8 forward lse", lse, lse_ref, lse_ref, atol=1e-2)
+    ref.check_fp8_attention("fa3 fp8 forward", out, lse, (qd, kd, vd), (qs, ks, vs), **kw)
 
 
 def run_case(cfg, rng, available):

@@ -414,15 +414,14 @@ def test_fp8_kv_past_2_31_elements(poison_allocations, big_kv, causal):
     cupy.cuda.get_current_stream().synchronize()
     assert out.shape == q.shape and str(out.dtype) == "bfloat16" and lse.shape == (1, HEADS, SEQLEN_Q)
 
-    def dequantised(data, descale):  # (sk, Hkv, D) float32, chunk by chunk: e4m3 value x its block's descale
+    def dequantised(data, descale):  # (sk, Hkv, D) float32, chunk by chunk (CHUNK is whole 128-row blocks)
         x = cupy.empty(data.shape[1:], dtype=cupy.float32)
         for s in range(0, data.shape[1], CHUNK):
             e = min(s + CHUNK, data.shape[1])
-            scale = descale[0][:, cupy.arange(s, e) // 128].T[..., None]  # (Hkv, C) -> (C, Hkv, 1)
-            x[s:e] = ref.e4m3_values(data[0, s:e]) * scale
+            x[s:e] = ref._dequantize_e4m3(data[:, s:e], descale[:, :, s // 128:-(-e // 128)], 128, cupy.float32)[0]
         return x
 
-    qf = ref.e4m3_values(q8[0]) * qs[0, :, 0][None, :, None]
+    qf = ref._dequantize_e4m3(q8, qs, SEQLEN_Q, cupy.float32)[0]
     kf = dequantised(k8, ks)
     vf = dequantised(v8, vs)
     del k8, v8
