@@ -32,7 +32,7 @@ def _torch_sdpa(backend_name):
     return run
 
 
-def probe(headdims, seqlens, reps, impls=None, backward=True):
+def probe(headdims, seqlens, reps, impls=None, backward=True, deterministic=False):
     rng = np.random.default_rng(0)
     rows = []
     fwd_impls = [i for i in cuflash.available_impls("forward") if impls is None or i in impls]
@@ -57,6 +57,10 @@ def probe(headdims, seqlens, reps, impls=None, backward=True):
                             ms = time_fn(lambda: cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
                                                                              impl=impl), 3, reps)
                             row[f"{impl} bwd"] = 2.5 * flops / ms / 1e9
+                            if deterministic:
+                                ms = time_fn(lambda: cuflash.flash_attn_backward(
+                                    dout, q, k, v, out, lse, causal=causal, impl=impl, deterministic=True), 3, reps)
+                                row[f"{impl} det bwd"] = 2.5 * flops / ms / 1e9
                         except ValueError as exc:  # a head dim this family's backward does not have
                             print(f"{impl} bwd d={d}: {str(exc).splitlines()[0][:100]}")
                 if peers:
@@ -91,10 +95,13 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--impls", default=None, help="cuflash families to time, e.g. fa3 (default: all)")
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time each family's backward with deterministic=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     impls = args.impls.split(",") if args.impls else None
-    rows = probe(args.headdims, args.seqlens, args.reps, impls, backward=not args.forward_only)
+    rows = probe(args.headdims, args.seqlens, args.reps, impls, backward=not args.forward_only,
+                 deterministic=args.deterministic)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
