@@ -100,9 +100,10 @@ BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
 def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
     kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
-    dq_bytes = 2 * BWD_BLOCK_M * 64 * 4  # per consumer: one 64-column fp32 atom of dQ, staged for the reduce-add
+    # per consumer: two 64-column fp32 atoms of dQ staged for its writer's reduce-adds
+    dq_bytes = 2 * 2 * BWD_BLOCK_M * 64 * 4
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 5 + 2048  # + barriers, + slack
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 13 + 2048  # + barriers, + slack
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),

@@ -4,7 +4,8 @@
 // A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
 // the 64-row query blocks that see those keys. Three warpgroups:
 //   producer  (warpgroup 0): gives registers back; one thread TMA-loads K and V once, then streams the
-//             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers);
+//             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers); one thread per consumer
+//             (warps 1 and 2) adds that consumer's dQ tiles to the accumulator (below);
 //   consumers (warpgroups 1 and 2): each owns 64 of the keys and, per query block, computes
 //       S^T  = K Q^T,  dP^T = V dO^T            (64 keys x 64 queries; both operands in shared memory)
 //       P^T  = 2^(S^T c - lse log2 e),  dS^T = P^T o (dP^T - D)        (registers; D = rowsum(dO o O))
@@ -16,11 +17,18 @@
 //     added to the fp32 dQ accumulator (common/bwd_aux.cu zeroes it first, converts it last) through
 //     shared memory, one TMA reduce-add per 32-column box (2.4x faster than atomics on the H200). Each
 //     dQ element is added once per block and step (version 0 added two 64-key halves: twice the traffic).
+//     The consumer stages its dQ tile in one of two buffers and goes on; the producer warpgroup's dQ
+//     writer for that consumer issues the reduce-add and frees the buffer once TMA has read it.
 //   The LSE and D rows of each (Q, dO) block arrive with it through the ring (flat row tensor maps), not by
 //   loads from the consumers that the S^T GEMM could not hide.
 //   At the end dK (times the softmax scale) and dV are stored from registers.
 //   Deterministic mode (p.dq_semaphore set): the K blocks that touch a Q block add their dQ shares in
-//   block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run to run.
+//   descending block order, each waiting on a per-(Q block, dQ atom) counter, so dQ is bit-identical run
+//   to run. Descending because a K block walks its Q blocks upwards from the first that sees it: under a
+//   causal mask or a window, K block n + 1 reaches Q block m before K block n does, so in this order no
+//   block waits for one that is behind it. Blocks are launched highest first in this mode, so a block only
+//   ever waits for one launched before it (no deadlock when a head's blocks outnumber the SMs). The
+//   waiting, the add and the wait for its completion are the dQ writer's; the consumers do not stall.
 //   Variable length (CUFLASH_VARLEN): packed (total, heads, d) inputs, each block finds its sequence through
 //   cu_seqlens (common/seqlen.cuh) and works in that sequence's rows; the padded LSE / D rows of a
 //   sequence start at lse_row0 (cuflash/fa3.py builds them).
@@ -48,6 +56,7 @@ constexpr int DP = (D + 63) / 64 * 64;
 constexpr int ATOMS = DP / 64;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
+constexpr int DQ_STAGES = 2;  // dQ tiles per consumer in flight to its writer
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = 64 * BM * 2;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
@@ -60,14 +69,15 @@ struct Smem {
     alignas(1024) unsigned char dout[STAGES][QB_BYTES];
     alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle;
                                                       // together [BN keys][BM queries] (dQ reads both)
-    alignas(1024) unsigned char dq[2][2 * DQ_BOX_BYTES];  // per consumer: its dQ atom as two boxes
+    alignas(1024) unsigned char dq[2][DQ_STAGES][2 * DQ_BOX_BYTES];  // per consumer: dQ atoms as two boxes
     alignas(128) float lse[STAGES][BM];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
     alignas(128) float dsum[STAGES][BM];
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
+    u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];  // per consumer: its staged dQ tiles, to and from its writer
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
-// Named barriers: both consumers (256 threads) around the shared dS^T, and per consumer (128) for its dQ buffer.
+// Named barriers: both consumers (256 threads) around the shared dS^T, and per consumer (128) for its dQ tile.
 constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
 
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
@@ -83,7 +93,7 @@ __device__ __forceinline__ void issue_acc_ay(float (&acc)[DP / 2], const u32 (&a
 }
 
 // Deterministic mode: the counter of Q block m's dQ atom `a` (head h) and the value that makes it this K
-// block's turn: the K blocks that touch the Q block add in block order.
+// block's turn: the K blocks that touch the Q block add in descending block order.
 struct DqTurn {
     int* flag;
     int value;
@@ -93,8 +103,18 @@ __device__ __forceinline__ DqTurn dq_turn(const Fa3BwdParams& p, const Mask& mas
     const int q_blocks = (p.seqlen_q + BM - 1) / BM;
     int n_first, n_end;
     mask.kv_block_range<BM, BN>(m, n_first, n_end);
-    return {p.dq_semaphore + ((i64(batch) * p.heads + h) * q_blocks + m) * ATOMS + a, n_block - n_first};
+    return {p.dq_semaphore + ((i64(batch) * p.heads + h) * q_blocks + m) * ATOMS + a, n_end - 1 - n_block};
 }
+
+// The dQ atom consumer c computes at step i (the i-th (head, Q block) of this K block), or -1 for none: at
+// d = 128 each consumer takes one atom, (c + i) % 2; at d = 64 the consumers take turns.
+__device__ __forceinline__ int dq_atom(int c, int i) {
+    if constexpr (ATOMS == 2) return (c + i) % 2;
+    return i % 2 == c ? 0 : -1;
+}
+// How many dQ tiles a consumer staged before step i (it owns one at every step at d = 128, every other at
+// d = 64): which buffer step i's tile takes and the phase of that buffer's barriers.
+__device__ __forceinline__ int dq_tile_index(int i) { return ATOMS == 2 ? i : i / 2; }
 
 // This block's sequence: its lengths and, in a packed batch, its first rows.
 __device__ __forceinline__ SeqInfo sequence(const Fa3BwdParams& p, int batch) {
@@ -123,7 +143,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = aligned_smem<Smem>(smem_raw);
 
-    const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+    // Deterministic mode launches the highest K block first (see the top of the file).
+    const int n_block = p.dq_semaphore ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
     const int warpgroup = threadIdx.x / 128;
     // The sequence, its mask and the Q blocks this K block sees, [m_lo, m_hi): each role finds them after its
@@ -136,22 +158,67 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_init(&sm.qd_full[s], 1);
             mbar_init(&sm.qd_empty[s], CONSUMER_WARPS);  // one arrival per consumer warp
         }
+        for (int c = 0; c < 2; ++c)
+            for (int s = 0; s < DQ_STAGES; ++s) {
+                mbar_init(&sm.dq_full[c][s], 1);
+                mbar_init(&sm.dq_empty[c][s], 1);
+            }
         fence_barrier_init();
     }
     __syncthreads();
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
-        regs_decrease<24>();
+        regs_decrease<32>();
         const SeqInfo seq = sequence(p, batch);
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
-        if (threadIdx.x != 0 || m_lo == m_hi) return;
+        const int warp = threadIdx.x / 32;
+        if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
+        if (warp > 0) {  // ------------------------------------------------ dQ writer of consumer warp - 1
+            const int c = warp - 1;
+            int i = 0;
+            for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+#pragma unroll 1
+                for (int m = m_lo; m < m_hi; ++m, ++i) {
+                    const int a = dq_atom(c, i);
+                    if (a < 0) continue;
+                    const int tile = dq_tile_index(i), s = tile % DQ_STAGES;
+                    mbar_wait(&sm.dq_full[c][s], (tile / DQ_STAGES) & 1);
+                    if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching Q block m
+                        const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
+                        while (ld_acquire(turn.flag) != turn.value) {
+                        }
+                        fence_async_global();  // the reduce below comes after the acquire
+                    }
+                    // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
+                    // seqlen_q fall out of bounds instead of into the next head. Packed batches: (D, total_q,
+                    // heads); rows past the sequence are the next sequence's and get exact zeros (P is 0 for
+                    // them), which leave those sums as they are.
+#pragma unroll
+                    for (int box = 0; box < 2; ++box)
+                        if (a * 64 + box * 32 < D)  // (d = 96: the padding's box is not added)
+                            tma_reduce_add_3d(&map_dq, sm.dq[c][s] + box * DQ_BOX_BYTES, a * 64 + box * 32,
+                                              seq.q_start + m * BM, VARLEN ? h : batch * p.heads + h);
+                    tma_store_commit();
+                    tma_store_wait_read();  // TMA has read the tile: the buffer is free
+                    mbar_arrive(&sm.dq_empty[c][s]);
+                    if (p.dq_semaphore) {
+                        const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
+                        tma_store_wait_all();  // the adds are in global memory ...
+                        fence_async_global();
+                        st_release(turn.flag, turn.value + 1);  // ... before the next K block may add
+                    }
+                }
+            }
+            return;
+        }
         const int tma_batch = VARLEN ? 0 : batch;  // a packed batch is one entry of total rows
         mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
         tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
         tma_load_atoms<ATOMS>(sm.v, BN, &map_v, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
         int i = 0;
         for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+#pragma unroll 1  // (unrolled, the loop needs more than the producer's registers)
             for (int m = m_lo; m < m_hi; ++m, ++i) {
                 const int s = i % STAGES;
                 mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
@@ -188,161 +255,152 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const unsigned char* v_rows = sm.v + c * 64 * 128;
         unsigned char* ds = sm.ds[c];
         mbar_wait(&sm.kv_full, 0);
-        int i = 0;
-        for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-            for (int m = m_lo; m < m_hi; ++m, ++i) {
-                const int s = i % STAGES;
-                mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
-                float st[BM / 2], dpt[BM / 2];
-                issue_xyt(st, k_rows, sm.q[s]);
-                issue_xyt(dpt, v_rows, sm.dout[s]);
+        // Step i: Q block m of the group's (i / (m_hi - m_lo))-th query head (the consumers need only m; two
+        // nested loops kept a head counter live, which ptxas spilled).
+        const int steps = group * (m_hi - m_lo);
+        for (int i = 0; i < steps; ++i) {
+            const int m = m_lo + i % (m_hi - m_lo), s = i % STAGES;
+            mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
+            float st[BM / 2], dpt[BM / 2];
+            issue_xyt(st, k_rows, sm.q[s]);
+            issue_xyt(dpt, v_rows, sm.dout[s]);
 
-                // Per query column: lse in log2 units (+inf where no probability flows: rows past the end,
-                // rows that saw no key) and D, from the block's rows the producer loaded with Q and dO.
-                float lse2[BM / 8][2], dsum[BM / 8][2];
+            // Per query column: lse in log2 units (+inf where no probability flows: rows past the end,
+            // rows that saw no key) and D, from the block's rows the producer loaded with Q and dO.
+            float lse2[BM / 8][2], dsum[BM / 8][2];
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 8 * j + 2 * ln.q4 + e, row = m * BM + r;
+                    const float l = row < seq.seqlen_q ? sm.lse[s][r] : neg_inf();
+                    lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
+                    dsum[j][e] = row < seq.seqlen_q ? sm.dsum[s][r] : 0.f;
+                }
+            const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
+
+            // P^T (with a softcap: the capped logits t first, P^T once dP^T is in, so that t need not
+            // share the registers with P^T for the cap's derivative 1 - t^2).
+            auto probabilities = [&]() {
 #pragma unroll
                 for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int r = 8 * j + 2 * ln.q4 + e, row = m * BM + r;
-                        const float l = row < seq.seqlen_q ? sm.lse[s][r] : neg_inf();
-                        lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
-                        dsum[j][e] = row < seq.seqlen_q ? sm.dsum[s][r] : 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        float& x = st[4 * j + e];
+                        x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
+                        const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
+                        if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
                     }
-                const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
-
-                // P^T (with a softcap: the capped logits t first, P^T once dP^T is in, so that t need not
-                // share the registers with P^T for the cap's derivative 1 - t^2).
-                auto probabilities = [&]() {
+                // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the
+                // exponentials, its predicated compares kept everything live at once: ptxas spilled); with a
+                // cap, P is formed after dP^T and the other way round spills.
+                if (!SOFTCAP && edge) {
 #pragma unroll
                     for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
-                            float& x = st[4 * j + e];
-                            x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
-                            if (edge && !mask.visible(row, key)) x = 0.f;
+                            if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
                         }
-                };
-                wgmma_wait<1>();  // S^T
-                wgmma_fence_regs(st);
-                if constexpr (SOFTCAP) {
-#pragma unroll
-                    for (int j = 0; j < BM / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
-                } else {
-                    probabilities();
                 }
-                wgmma_wait<0>();  // dP^T
-                wgmma_fence_regs(dpt);
+            };
+            wgmma_wait<1>();  // S^T
+            wgmma_fence_regs(st);
+            if constexpr (SOFTCAP) {
 #pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
+                for (int j = 0; j < BM / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
+            } else {
+                probabilities();
+            }
+            wgmma_wait<0>();  // dP^T
+            wgmma_fence_regs(dpt);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float& ds = dpt[4 * j + e];
-                        ds -= dsum[j][e % 2];
-                        if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
-                    }
-                if constexpr (SOFTCAP) probabilities();
+            for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
+                for (int e = 0; e < 4; ++e) {
+                    float& ds = dpt[4 * j + e];
+                    ds -= dsum[j][e % 2];
+                    if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
+                }
+            if constexpr (SOFTCAP) probabilities();
+#pragma unroll
+            for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
 
-                u32 pa[BM / 16][4], dsa[BM / 16][4];
-                acc_to_a_frags<BM>(st, pa);
-                acc_to_a_frags<BM>(dpt, dsa);
+            u32 pa[BM / 16][4], dsa[BM / 16][4];
+            acc_to_a_frags<BM>(st, pa);
+            acc_to_a_frags<BM>(dpt, dsa);
+            wgmma_fence();
+            issue_acc_ay(dv, pa, sm.dout[s]);
+            issue_acc_ay(dk, dsa, sm.q[s]);
+            wgmma_commit();
+
+            // dS^T to shared memory for dQ: both consumers' dQ GEMMs of the last step, which read both
+            // halves of sm.ds, are done (each waited for its own before arriving here).
+            named_sync(DS_FREE_BAR, 256);
+#pragma unroll
+            for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int key = 16 * ln.w + ln.g + 8 * hh;
+                    *reinterpret_cast<u32*>(ds + key * 128 + ((j ^ (key % 8)) * 16) + 4 * ln.q4) =
+                        dsa[j / 2][2 * (j % 2) + hh];
+                }
+            fence_async_smem();
+            named_sync(DS_READY_BAR, 256);  // dS^T of all BN keys is in sm.ds
+
+            wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
+            wgmma_fence_regs(dk);
+            wgmma_fence_regs(dv);
+            if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+
+            // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
+            // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
+            // added twice the bytes); dq_atom says which. A = dS^T read MN-major from both halves of
+            // sm.ds, B = K MN-major; the descriptors advance from one base each (hoisting all 16 cost
+            // ptxas registers: spills).
+            const int a = dq_atom(c, i);
+            if (a >= 0) {
+                const int tile = dq_tile_index(i), buf = tile % DQ_STAGES;
+                mbar_wait(&sm.dq_empty[c][buf], ((tile / DQ_STAGES) & 1) ^ 1);  // the writer is done with it
+                const u64 desc_ds = wgmma_desc_mn(sm.ds[0], 64 * 128);
+                const u64 desc_k = wgmma_desc_mn(sm.k + a * BN * 128, BN * 128);
+                float dq[32];
                 wgmma_fence();
-                issue_acc_ay(dv, pa, sm.dout[s]);
-                issue_acc_ay(dk, dsa, sm.q[s]);
-                wgmma_commit();
-
-                // dS^T to shared memory for dQ: both consumers' dQ GEMMs of the last step, which read both
-                // halves of sm.ds, are done (each waited for its own before arriving here).
-                named_sync(DS_FREE_BAR, 256);
 #pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
+                for (int kk = 0; kk < BN / 16; ++kk)
+                    wgmma_ss_mn<64>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
+                                    wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
+                wgmma_commit();
+                unsigned char* dq_tile = sm.dq[c][buf];
+                wgmma_wait<0>();
+                wgmma_fence_regs(dq);
+                // Two boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte swizzle: 16-byte chunk c of
+                // row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        const int key = 16 * ln.w + ln.g + 8 * hh;
-                        *reinterpret_cast<u32*>(ds + key * 128 + ((j ^ (key % 8)) * 16) + 4 * ln.q4) =
-                            dsa[j / 2][2 * (j % 2) + hh];
+                        const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
+                        const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
+                        *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
+                                                   8 * (ln.q4 % 2)) =
+                            make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
                     }
                 fence_async_smem();
-                named_sync(DS_READY_BAR, 256);  // dS^T of all BN keys is in sm.ds
-
-                wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
-                wgmma_fence_regs(dk);
-                wgmma_fence_regs(dv);
-                if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
-
-                // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
-                // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
-                // added twice the bytes). At d = 128 consumer c takes atom (c + i) % 2, at d = 64 the
-                // consumers take turns. A = dS^T read MN-major from both halves of sm.ds, B = K MN-major;
-                // the descriptors advance from one base each (hoisting all 16 cost ptxas registers: spills).
-                if (ATOMS == 2 || i % 2 == c) {
-                    const int a = ATOMS == 2 ? (c + i) % 2 : 0;
-                    if (t == 0) tma_store_wait_read();  // this consumer's last reduce has read sm.dq[c]
-                    const u64 desc_ds = wgmma_desc_mn(sm.ds[0], 64 * 128);
-                    const u64 desc_k = wgmma_desc_mn(sm.k + a * BN * 128, BN * 128);
-                    float dq[32];
-                    wgmma_fence();
-#pragma unroll
-                    for (int kk = 0; kk < BN / 16; ++kk)
-                        wgmma_ss_mn<64>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
-                                        wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
-                    wgmma_commit();
-                    named_sync(DQ_BAR + c, 128);  // ... for the whole warpgroup
-                    wgmma_wait<0>();
-                    wgmma_fence_regs(dq);
-                    // Into sm.dq[c] as two boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte swizzle:
-                    // 16-byte chunk c of row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
-#pragma unroll
-                    for (int j = 0; j < 8; ++j)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
-                            const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
-                            *reinterpret_cast<float2*>(sm.dq[c] + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
-                                                       8 * (ln.q4 % 2)) =
-                                make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-                        }
-                    // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows
-                    // past seqlen_q fall out of bounds instead of into the next head. Packed batches: (D,
-                    // total_q, heads); rows past the sequence are the next sequence's and get exact zeros
-                    // (P is 0 for them), which leave those sums as they are.
-                    fence_async_smem();
-                    named_sync(DQ_BAR + c, 128);
-                    if (t == 0) {
-                        if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching Q block m
-                            const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
-                            while (ld_acquire(turn.flag) != turn.value) {
-                            }
-                            fence_async_global();  // the reduce below comes after the acquire
-                        }
-#pragma unroll
-                        for (int box = 0; box < 2; ++box)
-                            if (a * 64 + box * 32 < D)  // (d = 96: the padding's box is not added)
-                                tma_reduce_add_3d(&map_dq, sm.dq[c] + box * DQ_BOX_BYTES, a * 64 + box * 32,
-                                                  seq.q_start + m * BM, VARLEN ? h : batch * p.heads + h);
-                        tma_store_commit();
-                        if (p.dq_semaphore) {
-                            const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
-                            tma_store_wait_all();  // the adds are in global memory ...
-                            fence_async_global();
-                            st_release(turn.flag, turn.value + 1);  // ... before the next K block may add
-                        }
-                    }
-                }
+                named_sync(DQ_BAR + c, 128);
+                if (t == 0) mbar_arrive(&sm.dq_full[c][buf]);  // to this consumer's dQ writer
             }
         }
-        if (t == 0) tma_store_wait_read();  // shared memory must outlive the reduces' reads
     }
 
-    // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored.
+    // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored. (The
+    // sequence is looked up again: kept through the loop, its start made ptxas spill.)
+    const SeqInfo kv_seq = sequence(p, batch);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_lo + 8 * r;
-        if (key >= seq.seqlen_k) continue;
-        const i64 row = i64(seq.k_start) + key;
+        if (key >= kv_seq.seqlen_k) continue;
+        const i64 row = i64(kv_seq.k_start) + key;
         u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + row * p.dk_row_stride;
         u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + row * p.dv_row_stride;
 #pragma unroll
