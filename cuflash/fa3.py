@@ -103,7 +103,8 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     # per consumer: two 64-column fp32 atoms of dQ staged for its writer's reduce-adds
     dq_bytes = 2 * 2 * BWD_BLOCK_M * 64 * 4
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + 8 * 13 + 2048  # + barriers, + slack
+    records = 2 * 4 * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + records + 8 * 13 + 2048  # + barriers
     return Variant(
         FAMILY, "fa3/bwd.cu", "fa3_bwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
@@ -281,6 +282,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
         atoms = -(-dims.headdim // 64)
+        if dims.batch * dims.heads * (q_pitch // BWD_BLOCK_M) * atoms >= 2 ** 31:
+            raise ValueError(f"deterministic FA3 backward: batch x heads x Q blocks x dQ atoms must be below 2^31 "
+                             f"(32-bit counter indices); got {dims.batch} x {dims.heads} x "
+                             f"{q_pitch // BWD_BLOCK_M} x {atoms}")
         semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
     fill_strides(p, "dk", dk)

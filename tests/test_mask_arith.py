@@ -360,6 +360,10 @@ def test_long_sequences(masklib, sq, sk, causal, left, right, tile, picks):
             assert (lo, hi) == (span[0], span[1] + 1), (
                 f"q_block_range({n}) = [{lo}, {hi}), want [{span[0]}, {span[1] + 1}); {what}")
             assert hi <= n_m
+    # K blocks past the last key (a packed batch's shorter sequences) visit nothing
+    for n in (n_n, n_n + 2):
+        lo, hi = (int(x[0]) for x in masklib.q_ranges(tile, sq, sk, kl, kr, n, 1))
+        assert lo >= hi, f"q_block_range({n}) = [{lo}, {hi}) past the last K block ({n_n}); {what}"
     # the two ranges agree at their ends (what the deterministic backward's dQ turn order needs)
     def kv(m):
         return tuple(int(x[0]) for x in masklib.kv_ranges(tile, sq, sk, kl, kr, m, 1))

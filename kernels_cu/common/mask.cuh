@@ -34,7 +34,9 @@ struct Mask {
         hi = key_last < key_first ? lo : key_last / BN + 1;
     }
 
-    // Q blocks [lo, hi) holding a row that sees some key of K block n (keys [n*BN, n*BN+BN)).
+    // Q blocks [lo, hi) holding a row that sees some key of K block n (keys [n*BN, n*BN+BN)); empty for a
+    // block past the last key (packed batches launch blocks for the longest sequence; the FA3 deterministic
+    // backward would wait forever for a turn such a block cannot have).
     template <int BM, int BN>
     __device__ __forceinline__ void q_block_range(int n, int& lo, int& hi) const {
         int key_first = n * BN;
@@ -43,7 +45,7 @@ struct Mask {
         int row_first = max(0, key_first - diag() - right);
         int row_last = min(seqlen_q - 1, key_last - diag() + left);
         lo = row_first / BM;
-        hi = row_last < row_first ? lo : row_last / BM + 1;
+        hi = row_last < row_first || key_last < key_first ? lo : row_last / BM + 1;
     }
 
     // True when every (row, key) of the tile is visible, so the per-element mask can be skipped.

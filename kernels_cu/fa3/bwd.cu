@@ -56,11 +56,25 @@ constexpr int DP = (D + 63) / 64 * 64;
 constexpr int ATOMS = DP / 64;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
+// setmaxnreg: the consumers can only take what the producer warpgroup gives back. Launched with 384
+// threads a block starts at 168 registers per thread (65536 / 384 rounded down to 8); asking for more than
+// that in total made the consumers' setmaxnreg wait forever (a hang, not an error).
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int DQ_STAGES = 2;  // dQ tiles per consumer in flight to its writer
+constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;  // their DqTile records (written a step ahead of the tile)
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = 64 * BM * 2;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
+              "the register split must fit in what the block starts with");
 static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
+
+// Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
+// it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
+// mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
+struct DqTile {
+    int col, row, head, flag, turn;
+};
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
@@ -74,6 +88,7 @@ struct Smem {
     alignas(128) float dsum[STAGES][BM];
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
     u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];  // per consumer: its staged dQ tiles, to and from its writer
+    DqTile dq_tile[2][DQ_TILE_SLOTS];                   // where each staged tile goes
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
@@ -94,16 +109,13 @@ __device__ __forceinline__ void issue_acc_ay(float (&acc)[DP / 2], const u32 (&a
 
 // Deterministic mode: the counter of Q block m's dQ atom `a` (head h) and the value that makes it this K
 // block's turn: the K blocks that touch the Q block add in descending block order.
-struct DqTurn {
-    int* flag;
-    int value;
-};
-__device__ __forceinline__ DqTurn dq_turn(const Fa3BwdParams& p, const Mask& mask, int n_block, int batch, int h, int m,
-                                          int a) {
+__device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
+                                        int h, int m, int a) {
     const int q_blocks = (p.seqlen_q + BM - 1) / BM;
     int n_first, n_end;
     mask.kv_block_range<BM, BN>(m, n_first, n_end);
-    return {p.dq_semaphore + ((i64(batch) * p.heads + h) * q_blocks + m) * ATOMS + a, n_end - 1 - n_block};
+    tile.flag = ((batch * p.heads + h) * q_blocks + m) * ATOMS + a;  // (the launcher checks it fits an int)
+    tile.turn = n_end - 1 - n_block;
 }
 
 // The dQ atom consumer c computes at step i (the i-th (head, Q block) of this K block), or -1 for none: at
@@ -168,46 +180,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
-        regs_decrease<32>();
+        regs_decrease<PRODUCER_REGS>();
         const SeqInfo seq = sequence(p, batch);
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
         const int warp = threadIdx.x / 32;
         if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
         if (warp > 0) {  // ------------------------------------------------ dQ writer of consumer warp - 1
-            const int c = warp - 1;
-            int i = 0;
-            for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            const int c = warp - 1, steps = group * (m_hi - m_lo);
+            const int tiles = ATOMS == 2 ? steps : (steps + 1 - c) / 2;  // (dq_atom)
 #pragma unroll 1
-                for (int m = m_lo; m < m_hi; ++m, ++i) {
-                    const int a = dq_atom(c, i);
-                    if (a < 0) continue;
-                    const int tile = dq_tile_index(i), s = tile % DQ_STAGES;
-                    mbar_wait(&sm.dq_full[c][s], (tile / DQ_STAGES) & 1);
-                    if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching Q block m
-                        const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
-                        while (ld_acquire(turn.flag) != turn.value) {
-                        }
-                        fence_async_global();  // the reduce below comes after the acquire
+            for (int k = 0; k < tiles; ++k) {
+                const int s = k % DQ_STAGES;
+                mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
+                const DqTile& tile = sm.dq_tile[c][k % DQ_TILE_SLOTS];
+                int* flag = nullptr;
+                int turn = 0;
+                if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
+                    flag = p.dq_semaphore + tile.flag;
+                    turn = tile.turn;
+                    while (ld_acquire(flag) != turn) {
                     }
-                    // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
-                    // seqlen_q fall out of bounds instead of into the next head. Packed batches: (D, total_q,
-                    // heads); rows past the sequence are the next sequence's and get exact zeros (P is 0 for
-                    // them), which leave those sums as they are.
+                    fence_async_global();  // the reduce below comes after the acquire
+                }
+                // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
+                // seqlen_q fall out of bounds instead of into the next head. Packed batches: (D, total_q,
+                // heads); rows past the sequence are the next sequence's and get exact zeros (P is 0 for
+                // them), which leave those sums as they are.
 #pragma unroll
-                    for (int box = 0; box < 2; ++box)
-                        if (a * 64 + box * 32 < D)  // (d = 96: the padding's box is not added)
-                            tma_reduce_add_3d(&map_dq, sm.dq[c][s] + box * DQ_BOX_BYTES, a * 64 + box * 32,
-                                              seq.q_start + m * BM, VARLEN ? h : batch * p.heads + h);
-                    tma_store_commit();
-                    tma_store_wait_read();  // TMA has read the tile: the buffer is free
-                    mbar_arrive(&sm.dq_empty[c][s]);
-                    if (p.dq_semaphore) {
-                        const DqTurn turn = dq_turn(p, mask, n_block, batch, h, m, a);
-                        tma_store_wait_all();  // the adds are in global memory ...
-                        fence_async_global();
-                        st_release(turn.flag, turn.value + 1);  // ... before the next K block may add
-                    }
+                for (int box = 0; box < 2; ++box)
+                    if (tile.col + box * 32 < D)  // (d = 96: the padding's box is not added)
+                        tma_reduce_add_3d(&map_dq, sm.dq[c][s] + box * DQ_BOX_BYTES, tile.col + box * 32, tile.row,
+                                          tile.head);
+                tma_store_commit();
+                tma_store_wait_read();  // TMA has read the tile: the buffer is free
+                mbar_arrive(&sm.dq_empty[c][s]);
+                if (p.dq_semaphore) {
+                    tma_store_wait_all();  // the adds are in global memory ...
+                    fence_async_global();
+                    st_release(flag, turn + 1);  // ... before the next K block may add
                 }
             }
             return;
@@ -237,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
 
     // ------------------------------------------------------------------------------------- consumers
-    regs_increase<240>();
+    regs_increase<CONSUMER_REGS>();
     const SeqInfo seq = sequence(p, batch);
     const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
     mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
@@ -260,6 +271,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int steps = group * (m_hi - m_lo);
         for (int i = 0; i < steps; ++i) {
             const int m = m_lo + i % (m_hi - m_lo), s = i % STAGES;
+            // Where this step's dQ tile goes, for the writer, while few registers are live (at the end of
+            // the step it made ptxas spill). Slot tile % DQ_TILE_SLOTS: this consumer staged the tile two
+            // before this one only once the writer had read that one's slot.
+            if (t == 0 && dq_atom(c, i) >= 0) {
+                const int h = kv_head * group + i / (m_hi - m_lo), a = dq_atom(c, i);
+                DqTile& tile = sm.dq_tile[c][dq_tile_index(i) % DQ_TILE_SLOTS];
+                tile.col = a * 64;
+                tile.row = seq.q_start + m * BM;
+                tile.head = VARLEN ? h : batch * p.heads + h;
+                if (p.dq_semaphore) dq_turn(tile, p, mask, n_block, batch, h, m, a);
+            }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             float st[BM / 2], dpt[BM / 2];
             issue_xyt(st, k_rows, sm.q[s]);
