@@ -58,7 +58,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     padded = -(-headdim * elem // 128) * 128 // elem  # tiles hold whole 128-byte atom rows (d = 96 as 128)
     q_bytes, k_bytes = BLOCK_M * padded * elem, t.block_n * padded * elem
     v_bytes = headdim * t.block_n if fp8 else k_bytes  # FP8: a V^T tile of d rows x block_n keys
-    smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (4 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
+    smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
     # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
     # sequence's end fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
     o_bytes = BLOCK_M * (headdim if fp8 else padded) * 2
@@ -67,16 +67,12 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         smem += o_bytes
     else:
         smem += 16 + 1024  # the unused 16-byte placeholder, aligned
-    # A second Q buffer where it still fits (d <= 128; FP8 d <= 128): the next tile's Q loads under this one.
-    q_stages = 2 if smem + q_bytes <= MAX_SMEM else 1
-    smem += (q_stages - 1) * q_bytes
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
          ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
          ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
-         ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_Q_STAGES", q_stages),
-         ("CUFLASH_PINGPONG", int(t.pingpong)),
+         ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
          ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )

@@ -75,20 +75,16 @@ constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
 // registers per thread do not fit a consumer's 240 together) P V completes before S is issued and only the
 // pingpong overlaps the softmax with GEMMs.
 constexpr bool INTRA_WG_OVERLAP = CUFLASH_INTRA_WG_OVERLAP;
-// Q buffers: with two, the producer loads the next tile's Q while this tile's last K/V tiles are worked
-// on, so a tile's first S GEMM need not wait for its Q (short sequences: few K/V tiles per Q tile).
-constexpr int Q_STAGES = CUFLASH_Q_STAGES;
-static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
 
 struct Smem {
-    alignas(1024) unsigned char q[Q_STAGES][Q_BYTES];  // ATOMS atoms of [BM][128 bytes]
+    alignas(1024) unsigned char q[Q_BYTES];            // ATOMS atoms of [BM][128 bytes]
     alignas(1024) unsigned char k[STAGES][K_BYTES];    // ATOMS atoms of [BN][128 bytes]
     alignas(1024) unsigned char v[STAGES][V_BYTES];    // as k; FP8: [D][BN keys]
     alignas(1024) unsigned char o[STORE_O_TMA ? O_BYTES : 16];  // per consumer: O_ATOMS atoms of [64][64]
-    u64 q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
@@ -288,11 +284,9 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
 // FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and K or V
 // tile n's of a KV head.
 __device__ __forceinline__ float q_descale(const Fa3FwdParams& p, int batch, int head, int row) {
-    const i64 blocks = (i64(batch) * p.heads + head) * p.q_descale_blocks;
-    return p.q_descale[blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
+    return p.q_descale[(i64(batch) * p.heads + head) * p.q_descale_blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
 }
-__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head,
-                                            int n) {
+__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head, int n) {
     return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + n / p.kv_descale_tiles];
 }
 
@@ -321,11 +315,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                : l2_section_heads(i64(p.seqlen_k) * DP * ELEM_BYTES * 2 / (PACK_GQA ? 1 : group));
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < Q_STAGES; ++s) {
-            mbar_init(&sm.q_full[s], 1);
-            // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
-            mbar_init(&sm.q_empty[s], CONSUMER_WARPS);
-        }
+        mbar_init(&sm.q_full, 1);
+        // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
+        mbar_init(&sm.q_empty, CONSUMER_WARPS);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
@@ -354,17 +346,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
             if (n_lo == n_hi) continue;
             const int kv_head = PACK_GQA ? tile.head : tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
-            const int qs = q_iter % Q_STAGES;
-            mbar_wait(&sm.q_empty[qs], ((q_iter++ / Q_STAGES) & 1) ^ 1);  // the buffer's last Q is done with
-            mbar_arrive_expect_tx(&sm.q_full[qs], Q_BYTES);
+            mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
+            mbar_arrive_expect_tx(&sm.q_full, Q_BYTES);
             if constexpr (PACK_GQA) {
 #pragma unroll
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
-                    tma_load_4d(sm.q[qs] + a * BM * 128, &map_q, &sm.q_full[qs], a * 64, kv_head * group, q_first,
-                                tile.batch);
+                    tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
-                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q[qs], BM, &map_q, &sm.q_full[qs], seq.q_start + tile.m_block * BM,
-                                                 tile.head, tma_batch);
+                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head,
+                                                 tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
@@ -388,6 +378,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     regs_increase<240>();
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
+    const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
 
     float o[OD / 2];
     float sc[BN / 2];        // S_n, then P_n in fp32 (accumulator layout)
@@ -427,9 +418,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int r = 0; r < 2; ++r) row_scale[r] = FP8 ? q_descale(p, tile.batch, qhead[r], qrow[r]) : 1.f;
         auto k_scale = [&](int n) { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f; };
         float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
-        const int qs = q_iter % Q_STAGES;
-        mbar_wait(&sm.q_full[qs], (q_iter++ / Q_STAGES) & 1);
-        const unsigned char* q_rows = sm.q[qs] + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
+        mbar_wait(&sm.q_full, q_iter++ & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet.
         {
@@ -443,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
-                if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty[qs]);  // no more S GEMMs read this Q
+                if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
             }
             softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, row_scale,
                          tile_scale);
@@ -477,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
-                if (n + 1 == n_hi) mbar_arrive(&sm.q_empty[qs]);
+                if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
             bool rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
                                         row_scale, tile_scale);
