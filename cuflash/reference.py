@@ -405,9 +405,10 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
                                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_keep=None):
     """Naive low-precision gradients (float32 arrays holding values rounded to the input dtype).
 
-    Forward as ``attention_ref_lowp``; then dP = dO @ V^T rounded, dV = P^T @ dO rounded,
-    dS = P * (dP - rowsum(P * dP)) in fp32 rounded, scaled and rounded, dQ = dS @ K and dK = dS^T @ Q
-    (fp32 accumulation, rounded). GQA sums dK/dV over the group in fp32 before the final rounding.
+    Forward as ``attention_ref_lowp`` (its output O rounded); then dP = dO @ V^T rounded, dV = P^T @ dO
+    rounded, D = rowsum(dO * O), dS = P * (dP - D) in fp32 rounded, scaled and rounded, dQ = dS @ K and
+    dK = dS^T @ Q (fp32 accumulation, rounded). GQA sums dK/dV over the group in fp32 before the final
+    rounding.
     """
     xp = _get_xp(dout, q, k, v)
     low = q.dtype
@@ -425,7 +426,10 @@ def attention_ref_backward_lowp(dout, q, k, v, *, causal=False, softmax_scale=No
     pd = _round_to(_apply_dropout(p, dropout_keep, dropout_p, hkv, g, xp), low)
     dv = _round_to(xp.matmul(pd.transpose(0, 1, 3, 2), do), low)
     dp = _round_to(_apply_dropout(xp.matmul(do, vv.transpose(0, 1, 3, 2)), dropout_keep, dropout_p, hkv, g, xp), low)
-    delta = (p * dp).sum(axis=-1, keepdims=True)
+    # D = rowsum(dO o O) from the forward's output as it was stored (rounded), as flash backwards compute it:
+    # where dP - D cancels (a row that sees few keys) the rounding of O moves dS by more than all the rest.
+    o = _round_to(xp.matmul(pd, vv), low)
+    delta = (do * o).sum(axis=-1, keepdims=True)
     ds = _round_to(p * (dp - delta), low)
     ds = _round_to(ds * (numpy.float32(scale) if dlogits is None else dlogits), low)
     dq = _round_to(xp.matmul(ds, kk), low)
