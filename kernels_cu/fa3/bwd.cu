@@ -36,12 +36,7 @@
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
-#include "common/hopper.cuh"
-#include "common/mask.cuh"
-#include "common/padded_rows.cuh"
-#include "common/ptx.cuh"
-#include "common/seqlen.cuh"
-#include "fa3/params.cuh"
+#include "fa3/bwd_roles.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
@@ -68,13 +63,6 @@ static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the b
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
 static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
-
-// Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
-// it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
-// mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
-struct DqTile {
-    int col, row, head, flag, turn;
-};
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
@@ -107,17 +95,6 @@ __device__ __forceinline__ void issue_acc_ay(float (&acc)[DP / 2], const u32 (&a
     for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<DP, 1>(acc, a[kk], wgmma_desc_mn(y + kk * 16 * 128, BM * 128), 1);
 }
 
-// Deterministic mode: the counter of Q block m's dQ atom `a` (head h) and the value that makes it this K
-// block's turn: the K blocks that touch the Q block add in descending block order.
-__device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
-                                        int h, int m, int a) {
-    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
-    int n_first, n_end;
-    mask.kv_block_range<BM, BN>(m, n_first, n_end);
-    tile.flag = ((batch * p.heads + h) * q_blocks + m) * ATOMS + a;  // (the launcher checks it fits an int)
-    tile.turn = n_end - 1 - n_block;
-}
-
 // The dQ atom consumer c computes at step i (the i-th (head, Q block) of this K block), or -1 for none: at
 // d = 128 each consumer takes one atom, (c + i) % 2; at d = 64 the consumers take turns.
 __device__ __forceinline__ int dq_atom(int c, int i) {
@@ -127,20 +104,6 @@ __device__ __forceinline__ int dq_atom(int c, int i) {
 // How many dQ tiles a consumer staged before step i (it owns one at every step at d = 128, every other at
 // d = 64): which buffer step i's tile takes and the phase of that buffer's barriers.
 __device__ __forceinline__ int dq_tile_index(int i) { return ATOMS == 2 ? i : i / 2; }
-
-// This block's sequence: its lengths and, in a packed batch, its first rows.
-__device__ __forceinline__ SeqInfo sequence(const Fa3BwdParams& p, int batch) {
-    return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
-                  : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
-}
-
-// The first of head h's LSE / D rows for this sequence, in the padded layout cuflash/fa3.py builds:
-// (batch, heads, pitch) for fixed length; for packed batches (heads, pitch) with sequence b's rows from
-// padded_seq_start (common/padded_rows.cuh), so every block of BM rows starts 16-byte aligned for TMA.
-__device__ __forceinline__ int lse_row0(const Fa3BwdParams& p, const SeqInfo& seq, int batch, int h) {
-    if constexpr (VARLEN) return int(i64(h) * p.row_head_stride) + padded_seq_start(seq.q_start, batch);
-    return int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride);
-}
 
 // Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
 struct Lane {
@@ -181,75 +144,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
         regs_decrease<PRODUCER_REGS>();
-        const SeqInfo seq = sequence(p, batch);
+        const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
         const int warp = threadIdx.x / 32;
         if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
-        if (warp > 0) {  // ------------------------------------------------ dQ writer of consumer warp - 1
+        if (warp == 0) {
+            load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
+                                                                &map_dsum, p, seq, batch, kv_head, group, n_block,
+                                                                m_lo, m_hi);
+        } else {  // the dQ writer of consumer warp - 1: its tiles (dq_atom)
             const int c = warp - 1, steps = group * (m_hi - m_lo);
-            const int tiles = ATOMS == 2 ? steps : (steps + 1 - c) / 2;  // (dq_atom)
-#pragma unroll 1
-            for (int k = 0; k < tiles; ++k) {
-                const int s = k % DQ_STAGES;
-                mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
-                const DqTile& tile = sm.dq_tile[c][k % DQ_TILE_SLOTS];
-                int* flag = nullptr;
-                int turn = 0;
-                if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
-                    flag = p.dq_semaphore + tile.flag;
-                    turn = tile.turn;
-                    while (ld_acquire(flag) != turn) {
-                    }
-                    fence_async_global();  // the reduce below comes after the acquire
-                }
-                // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past
-                // seqlen_q fall out of bounds instead of into the next head. Packed batches: (D, total_q,
-                // heads); rows past the sequence are the next sequence's and get exact zeros (P is 0 for
-                // them), which leave those sums as they are.
-#pragma unroll
-                for (int box = 0; box < 2; ++box)
-                    if (tile.col + box * 32 < D)  // (d = 96: the padding's box is not added)
-                        tma_reduce_add_3d(&map_dq, sm.dq[c][s] + box * DQ_BOX_BYTES, tile.col + box * 32, tile.row,
-                                          tile.head);
-                tma_store_commit();
-                tma_store_wait_read();  // TMA has read the tile: the buffer is free
-                mbar_arrive(&sm.dq_empty[c][s]);
-                if (p.dq_semaphore) {
-                    tma_store_wait_all();  // the adds are in global memory ...
-                    fence_async_global();
-                    st_release(flag, turn + 1);  // ... before the next K block may add
-                }
-            }
-            return;
-        }
-        const int tma_batch = VARLEN ? 0 : batch;  // a packed batch is one entry of total rows
-        mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
-        tma_load_atoms<ATOMS>(sm.k, BN, &map_k, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
-        tma_load_atoms<ATOMS>(sm.v, BN, &map_v, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
-        int i = 0;
-        for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-#pragma unroll 1  // (unrolled, the loop needs more than the producer's registers)
-            for (int m = m_lo; m < m_hi; ++m, ++i) {
-                const int s = i % STAGES;
-                mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
-                tma_load_atoms<ATOMS>(sm.q[s], BM, &map_q, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
-                tma_load_atoms<ATOMS>(sm.dout[s], BM, &map_do, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
-                // LSE and D rows of the block from the padded rows (one flat row each). A last block's rows
-                // past the sequence read padding or the next rows (or zeros past the end): the consumers
-                // never use them. (Packed Q / dO rows past the sequence are the next sequence's: masked.)
-                const int row0 = lse_row0(p, seq, batch, h) + m * BM;
-                tma_load_2d(sm.lse[s], &map_lse, &sm.qd_full[s], row0, 0);
-                tma_load_2d(sm.dsum[s], &map_dsum, &sm.qd_full[s], row0, 0);
-            }
+            write_dq_tiles<D, 2, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, c,
+                                                                         ATOMS == 2 ? steps : (steps + 1 - c) / 2);
         }
         return;
     }
 
     // ------------------------------------------------------------------------------------- consumers
     regs_increase<CONSUMER_REGS>();
-    const SeqInfo seq = sequence(p, batch);
+    const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
     const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
     mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
     const int c = warpgroup - 1;  // which 64 keys of the block
@@ -280,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 tile.col = a * 64;
                 tile.row = seq.q_start + m * BM;
                 tile.head = VARLEN ? h : batch * p.heads + h;
-                if (p.dq_semaphore) dq_turn(tile, p, mask, n_block, batch, h, m, a);
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, a, ATOMS);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             float st[BM / 2], dpt[BM / 2];
@@ -417,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored. (The
     // sequence is looked up again: kept through the loop, its start made ptxas spill.)
-    const SeqInfo kv_seq = sequence(p, batch);
+    const SeqInfo kv_seq = bwd_sequence<VARLEN>(p, batch);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int key = key_lo + 8 * r;

@@ -1,0 +1,124 @@
+// What the FA3 backward kernels share: fa3/bwd.cu (head dims up to 128, the consumers split the keys) and
+// fa3/bwd_wide.cu (192 and 256, the consumers split the head dim). Both kernels have a producer
+// warpgroup whose thread 0 loads K and V once and streams the (Q, dO, LSE, D) blocks through a ring, and
+// whose warps 1 and 2 are the dQ writers of consumers 0 and 1: they add the dQ tiles the consumers stage
+// in shared memory to the fp32 accumulator by TMA reduce-add, in deterministic mode in their turn.
+//
+// The functions take the kernel's shared-memory struct as a template parameter and use these members of
+// it: k, v (BN rows x ATOMS atoms), q[STAGES], dout[STAGES] (BM rows x ATOMS atoms), lse[STAGES][BM],
+// dsum[STAGES][BM], the barriers kv_full, qd_full[STAGES], qd_empty[STAGES], dq_full[2][DQ_STAGES],
+// dq_empty[2][DQ_STAGES], and per consumer the staged tiles dq[2][DQ_STAGES][...] (boxes of 64 rows x 32
+// fp32 columns) with their records dq_tile[2][DQ_TILE_SLOTS].
+#pragma once
+#include "common/hopper.cuh"
+#include "common/mask.cuh"
+#include "common/padded_rows.cuh"
+#include "common/ptx.cuh"
+#include "common/seqlen.cuh"
+#include "fa3/params.cuh"
+
+// Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
+// it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
+// mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
+struct DqTile {
+    int col, row, head, flag, turn;
+};
+
+// Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
+// that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order.
+template <int BM, int BN>
+__device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
+                                        int h, int m, int part, int parts) {
+    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+    int n_first, n_end;
+    mask.kv_block_range<BM, BN>(m, n_first, n_end);
+    tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part;  // (the launcher checks it fits an int)
+    tile.turn = n_end - 1 - n_block;
+}
+
+// This block's sequence: its lengths and, in a packed batch, its first rows.
+template <bool VARLEN>
+__device__ __forceinline__ SeqInfo bwd_sequence(const Fa3BwdParams& p, int batch) {
+    return VARLEN ? SeqInfo(p.cu_seqlens_q, p.cu_seqlens_k, batch, p.seqlen_q, p.seqlen_k)
+                  : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
+}
+
+// The first of head h's LSE / D rows for this sequence, in the padded layout cuflash/fa3.py builds:
+// (batch, heads, pitch) for fixed length; for packed batches (heads, pitch) with sequence b's rows from
+// padded_seq_start (common/padded_rows.cuh), so every block of BM rows starts 16-byte aligned for TMA.
+template <bool VARLEN>
+__device__ __forceinline__ int lse_row0(const Fa3BwdParams& p, const SeqInfo& seq, int batch, int h) {
+    if constexpr (VARLEN) return int(i64(h) * p.row_head_stride) + padded_seq_start(seq.q_start, batch);
+    return int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride);
+}
+
+// Producer thread 0: K and V of this block once, then for each query head h of the group and each Q block
+// m in [m_lo, m_hi) the block's Q and dO tiles and its LSE and D rows into ring slot i % STAGES.
+template <int ATOMS, int BM, int BN, int STAGES, bool VARLEN, class Smem>
+__device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* map_q, const TensorMap* map_k,
+                                                     const TensorMap* map_v, const TensorMap* map_do,
+                                                     const TensorMap* map_lse, const TensorMap* map_dsum,
+                                                     const Fa3BwdParams& p, const SeqInfo& seq, int batch,
+                                                     int kv_head, int group, int n_block, int m_lo, int m_hi) {
+    constexpr int KV_BYTES = BN * ATOMS * 128, QB_BYTES = BM * ATOMS * 128;
+    const int tma_batch = VARLEN ? 0 : batch;  // a packed batch is one entry of total rows
+    mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
+    tma_load_atoms<ATOMS>(sm.k, BN, map_k, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
+    tma_load_atoms<ATOMS>(sm.v, BN, map_v, &sm.kv_full, seq.k_start + n_block * BN, kv_head, tma_batch);
+    int i = 0;
+    for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+#pragma unroll 1  // (unrolled, the loop needs more than the producer's registers)
+        for (int m = m_lo; m < m_hi; ++m, ++i) {
+            const int s = i % STAGES;
+            mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
+            tma_load_atoms<ATOMS>(sm.q[s], BM, map_q, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
+            tma_load_atoms<ATOMS>(sm.dout[s], BM, map_do, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
+            // LSE and D rows of the block from the padded rows (one flat row each). A last block's rows
+            // past the sequence read padding or the next rows (or zeros past the end): the consumers
+            // never use them. (Packed Q / dO rows past the sequence are the next sequence's: masked.)
+            const int row0 = lse_row0<VARLEN>(p, seq, batch, h) + m * BM;
+            tma_load_2d(sm.lse[s], map_lse, &sm.qd_full[s], row0, 0);
+            tma_load_2d(sm.dsum[s], map_dsum, &sm.qd_full[s], row0, 0);
+        }
+    }
+}
+
+// The dQ writer of consumer c (one thread): its `tiles` staged tiles in order, each BOXES boxes of 64 rows
+// x 32 fp32 columns (BOX_BYTES apart), where the tile's record says, boxes at or past column D (padding)
+// left out. Deterministic mode: waits for the tile's turn, and after the add has landed passes the turn on.
+template <int D, int BOXES, int BOX_BYTES, int DQ_STAGES, int DQ_TILE_SLOTS, class Smem>
+__device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq, const Fa3BwdParams& p, int c,
+                                               int tiles) {
+#pragma unroll 1
+    for (int k = 0; k < tiles; ++k) {
+        const int s = k % DQ_STAGES;
+        mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
+        const DqTile& tile = sm.dq_tile[c][k % DQ_TILE_SLOTS];
+        int* flag = nullptr;
+        int turn = 0;
+        if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
+            flag = p.dq_semaphore + tile.flag;
+            turn = tile.turn;
+            while (ld_acquire(flag) != turn) {
+            }
+            fence_async_global();  // the reduce below comes after the acquire
+        }
+        // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past seqlen_q
+        // fall out of bounds instead of into the next head. Packed batches: (D, total_q, heads); rows past
+        // the sequence are the next sequence's and get exact zeros (P is 0 for them), which leave those
+        // sums as they are.
+#pragma unroll
+        for (int box = 0; box < BOXES; ++box)
+            if (tile.col + box * 32 < D)  // (padded head dims: the padding's boxes are not added)
+                tma_reduce_add_3d(map_dq, sm.dq[c][s] + box * BOX_BYTES, tile.col + box * 32, tile.row, tile.head);
+        tma_store_commit();
+        tma_store_wait_read();  // TMA has read the tile: the buffer is free
+        mbar_arrive(&sm.dq_empty[c][s]);
+        if (p.dq_semaphore) {
+            tma_store_wait_all();  // the adds are in global memory ...
+            fence_async_global();
+            st_release(flag, turn + 1);  // ... before the next K block may add
+        }
+    }
+}
