@@ -24,7 +24,9 @@ MIN_CC = (9, 0)
 ARCHS = ("sm_90a",)  # wgmma, setmaxnreg: the arch-specific Hopper target only
 FWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen"})
 BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen", "deterministic"})
-BWD_HEADDIMS = (64, 96, 128)  # dK and dV in registers next to the five products (kernels_cu/fa3/bwd.cu)
+# dK and dV in registers next to the five products: up to 128 the consumers split the keys (kernels_cu/fa3/
+# bwd.cu), above it the head dim (bwd_wide.cu)
+BWD_HEADDIMS = (64, 96, 128, 192, 256)
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
 FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
@@ -90,23 +92,35 @@ BWD_PARAMS = np.dtype(
     + pointer_fields("dq_semaphore"),
     align=True,
 )
-BWD_BLOCK_M, BWD_BLOCK_N = 64, 128
+BWD_BLOCK_M = 64
+
+
+def bwd_block_n(headdim: int) -> int:
+    """Keys per thread block of the backward: 128 (bwd.cu, two consumers of 64 keys), 64 above d = 128
+    (bwd_wide.cu, both consumers on the same keys, half the head dim each)."""
+    return 128 if headdim <= 128 else 64
 
 
 def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
+    defines = (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
+               ("CUFLASH_VARLEN", int(varlen)))
+    if headdim > 128:  # bwd_wide.cu: every tile 256 columns wide, a one-slot ring, one dQ tile per consumer
+        bn, cols = bwd_block_n(headdim), 256
+        kv_bytes, qd_bytes, pds_bytes = bn * cols * 2, BWD_BLOCK_M * cols * 2, bn * BWD_BLOCK_M * 2
+        dq_bytes = 2 * BWD_BLOCK_M * (cols // 2) * 4  # per consumer: its 128 columns of dQ in fp32
+        smem = 2 * kv_bytes + 2 * qd_bytes + 2 * pds_bytes + dq_bytes + 2 * BWD_BLOCK_M * 4 + 2 * 2 * 5 * 4 + 8 * 7
+        smem += 2048  # + 1 KB alignment slack
+        return Variant(FAMILY, "fa3/bwd_wide.cu", "fa3_bwd_wide", defines + (("CUFLASH_SMEM_BYTES", smem),),
+                       threads=THREADS, smem_bytes=smem)
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
-    kv_bytes, qd_bytes, ds_bytes = BWD_BLOCK_N * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
+    kv_bytes, qd_bytes, ds_bytes = bwd_block_n(headdim) * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
     # per consumer: two 64-column fp32 atoms of dQ staged for its writer's reduce-adds
     dq_bytes = 2 * 2 * BWD_BLOCK_M * 64 * 4
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
     records = 2 * 4 * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
     smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + records + 8 * 13 + 2048  # + barriers
-    return Variant(
-        FAMILY, "fa3/bwd.cu", "fa3_bwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
-         ("CUFLASH_VARLEN", int(varlen)), ("CUFLASH_SMEM_BYTES", smem)),
-        threads=THREADS, smem_bytes=smem,
-    )
+    return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd", defines + (("CUFLASH_SMEM_BYTES", smem),), threads=THREADS,
+                   smem_bytes=smem)
 
 
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
@@ -270,7 +284,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
                         row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen)
-    maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, BWD_BLOCK_N), _tensor_map(v, BWD_BLOCK_N),
+    block_n = bwd_block_n(dims.headdim)
+    maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, block_n), _tensor_map(v, block_n),
             _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum), _rows_map(lse_rows), _rows_map(dsum_rows))
     p = np.zeros(1, BWD_PARAMS)
     p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
@@ -290,7 +305,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     p["scale"] = scale
-    grid = ((dims.seqlen_k + BWD_BLOCK_N - 1) // BWD_BLOCK_N, dims.kv_heads, dims.batch)
+    grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
 

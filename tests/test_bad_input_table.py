@@ -840,7 +840,8 @@ SUPPORTS = [
     ("fa2", 192, (9, 0), "forward", {"gqa", "softcap", "alibi", "causal", "window"}, None),
     ("fa2", 512, (9, 0), "forward", {"gqa"}, ["head dim 512 is not supported"]),
     ("fa3", 128, (9, 0), "backward", {"gqa", "causal", "window"}, None),
-    ("fa3", 256, (9, 0), "backward", {"gqa"}, ["head dim 256 is not supported", "supported: [64, 96, 128]"]),
+    ("fa3", 256, (9, 0), "backward", {"gqa", "causal", "window", "softcap"}, None),
+    ("fa3", 80, (9, 0), "backward", {"gqa"}, ["head dim 80 is not supported", "supported: [64, 96, 128, 192, 256]"]),
     ("fa3", 64, (9, 0), "backward", {"gqa", "softcap"}, ["its backward does not support softcap"]),
     ("fa3", 64, (8, 0), "backward", {"gqa"}, ["sm_90 or newer", "sm_80"]),
 ]

@@ -148,11 +148,13 @@ def test_fa3_backward_machine_code(report):
     """FA3 backward variants (sm_90a): wgmma for all five products, TMA loads, and the dQ accumulator
     updated by TMA reduce-adds (UTMAREDG), not atomics."""
     arch, _, rows, _ = report
-    bwd = [r for r in rows if r["family"] == "fa3" and r["kernel"] == "fa3_bwd"]
+    bwd = [r for r in rows if r["family"] == "fa3" and r["kernel"] in ("fa3_bwd", "fa3_bwd_wide")]
     if arch != "sm_90a":
         assert not bwd
         return
-    assert len(bwd) == 24  # 2 dtypes x head dims 64, 96, 128 x softcap or not x fixed or variable length
+    # 2 dtypes x head dims 64, 96, 128 (fa3_bwd) and 192, 256 (fa3_bwd_wide) x softcap or not x fixed or
+    # variable length
+    assert len(bwd) == 40 and sum(r["kernel"] == "fa3_bwd_wide" for r in bwd) == 16
     for r in bwd:
         ops = r["opcodes"]
         assert ops["HGMMA"] >= 5 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]

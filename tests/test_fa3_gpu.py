@@ -166,9 +166,9 @@ def test_auto_picks_fa3_for_varlen():
     assert bool(cupy.all(a.view("uint16") == b.view("uint16")))
 
 
-# --- backward (head dims 64, 96, 128) -----------------------------------------------------------------
+# --- backward (head dims 64, 96, 128, 192, 256) -----------------------------------------------------------------
 
-BWD_HEADDIMS = fa3.BWD_HEADDIMS  # 64, 96 (stored padded to 128), 128
+BWD_HEADDIMS = fa3.BWD_HEADDIMS  # 64, 96 (padded to 128), 128; 192 (padded to 256), 256 (bwd_wide.cu)
 
 
 @pytest.mark.parametrize("d", BWD_HEADDIMS)

@@ -34,8 +34,8 @@
 //   sequence start at lse_row0 (cuflash/fa3.py builds them).
 // Not yet: dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
-// CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128; 192 and 256: fa3/bwd_wide.cu),
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
 #include "fa3/bwd_roles.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -105,11 +105,6 @@ __device__ __forceinline__ int dq_atom(int c, int i) {
 // d = 64): which buffer step i's tile takes and the phase of that buffer's barriers.
 __device__ __forceinline__ int dq_tile_index(int i) { return ATOMS == 2 ? i : i / 2; }
 
-// Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
-struct Lane {
-    int w, g, q4;
-};
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_bwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
@@ -127,19 +122,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // setmaxnreg (ptxas spilled them when they lived across it).
     int m_lo, m_hi;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&sm.kv_full, 1);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sm.qd_full[s], 1);
-            mbar_init(&sm.qd_empty[s], CONSUMER_WARPS);  // one arrival per consumer warp
-        }
-        for (int c = 0; c < 2; ++c)
-            for (int s = 0; s < DQ_STAGES; ++s) {
-                mbar_init(&sm.dq_full[c][s], 1);
-                mbar_init(&sm.dq_empty[c][s], 1);
-            }
-        fence_barrier_init();
-    }
+    if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
     __syncthreads();
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
@@ -201,66 +184,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             issue_xyt(st, k_rows, sm.q[s]);
             issue_xyt(dpt, v_rows, sm.dout[s]);
 
-            // Per query column: lse in log2 units (+inf where no probability flows: rows past the end,
-            // rows that saw no key) and D, from the block's rows the producer loaded with Q and dO.
-            float lse2[BM / 8][2], dsum[BM / 8][2];
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int r = 8 * j + 2 * ln.q4 + e, row = m * BM + r;
-                    const float l = row < seq.seqlen_q ? sm.lse[s][r] : neg_inf();
-                    lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
-                    dsum[j][e] = row < seq.seqlen_q ? sm.dsum[s][r] : 0.f;
-                }
-            const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);
-
-            // P^T (with a softcap: the capped logits t first, P^T once dP^T is in, so that t need not
-            // share the registers with P^T for the cap's derivative 1 - t^2).
-            auto probabilities = [&]() {
-#pragma unroll
-                for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        float& x = st[4 * j + e];
-                        x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
-                        const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
-                        if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
-                    }
-                // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the
-                // exponentials, its predicated compares kept everything live at once: ptxas spilled); with a
-                // cap, P is formed after dP^T and the other way round spills.
-                if (!SOFTCAP && edge) {
-#pragma unroll
-                    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = key_lo + 8 * (e / 2), row = m * BM + 8 * j + 2 * ln.q4 + e % 2;
-                            if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
-                        }
-                }
-            };
-            wgmma_wait<1>();  // S^T
-            wgmma_fence_regs(st);
-            if constexpr (SOFTCAP) {
-#pragma unroll
-                for (int j = 0; j < BM / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
-            } else {
-                probabilities();
-            }
-            wgmma_wait<0>();  // dP^T
-            wgmma_fence_regs(dpt);
-#pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float& ds = dpt[4 * j + e];
-                    ds -= dsum[j][e % 2];
-                    if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
-                }
-            if constexpr (SOFTCAP) probabilities();
-#pragma unroll
-            for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
+            probabilities_and_ds<BM, BN, SOFTCAP, BM>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, 0, key_lo, ln, seq,
+                                                      mask, p);
 
             u32 pa[BM / 16][4], dsa[BM / 16][4];
             acc_to_a_frags<BM>(st, pa);

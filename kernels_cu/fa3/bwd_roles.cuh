@@ -52,6 +52,23 @@ __device__ __forceinline__ int lse_row0(const Fa3BwdParams& p, const SeqInfo& se
     return int(i64(batch) * p.row_batch_stride + i64(h) * p.row_head_stride);
 }
 
+// Thread 0: the barriers of the (Q, dO) ring (a consumer warp's arrival each frees a slot) and of each
+// consumer's staged dQ tiles; the caller syncs the block after.
+template <int STAGES, int DQ_STAGES, int CONSUMER_WARPS, class Smem>
+__device__ __forceinline__ void init_bwd_barriers(Smem& sm) {
+    mbar_init(&sm.kv_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(&sm.qd_full[s], 1);
+        mbar_init(&sm.qd_empty[s], CONSUMER_WARPS);  // one arrival per consumer warp
+    }
+    for (int c = 0; c < 2; ++c)
+        for (int s = 0; s < DQ_STAGES; ++s) {
+            mbar_init(&sm.dq_full[c][s], 1);
+            mbar_init(&sm.dq_empty[c][s], 1);
+        }
+    fence_barrier_init();
+}
+
 // Producer thread 0: K and V of this block once, then for each query head h of the group and each Q block
 // m in [m_lo, m_hi) the block's Q and dO tiles and its LSE and D rows into ring slot i % STAGES.
 template <int ATOMS, int BM, int BN, int STAGES, bool VARLEN, class Smem>
@@ -121,4 +138,81 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
             st_release(flag, turn + 1);  // ... before the next K block may add
         }
     }
+}
+
+// Rows of this thread in a 64 x N accumulator: 16 w + g and + 8; columns 8 j + 2 q4 and + 1.
+struct Lane {
+    int w, g, q4;
+};
+
+// A consumer's step after it issued S^T = K Q^T and then dP^T = V dO^T (two commit groups) for 64 keys
+// (this thread's: key_lo and key_lo + 8; K block n_block of BN keys) and the N query rows q0 .. q0 + N - 1
+// of Q block m: waits for
+// each and turns st into P^T = 2^(S^T c - lse log2 e) and dpt into dS^T = P^T o (dP^T - D), with the
+// block's LSE and D rows from shared memory (lse_rows, dsum_rows: the ring slot's). Masked pairs, rows
+// past the sequence and rows that saw no key get P = 0. With a softcap the logits are t = tanh(S^T
+// softcap_pre) and dS^T carries the cap's derivative, o (1 - t^2); P^T is formed after dP^T arrives so
+// that t need not share the registers with P^T.
+template <int BM, int BN, bool SOFTCAP, int N>
+__device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (&dpt)[N / 2], const float* lse_rows,
+                                                     const float* dsum_rows, int m, int n_block, int q0, int key_lo,
+                                                     const Lane& ln, const SeqInfo& seq, const Mask& mask,
+                                                     const Fa3BwdParams& p) {
+    // Per query column: lse in log2 units (+inf where no probability flows: rows past the end, rows that
+    // saw no key) and D, from the block's rows the producer loaded with Q and dO.
+    float lse2[N / 8][2], dsum[N / 8][2];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int r = q0 + 8 * j + 2 * ln.q4 + e, row = m * BM + r;
+            const float l = row < seq.seqlen_q ? lse_rows[r] : neg_inf();
+            lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
+            dsum[j][e] = row < seq.seqlen_q ? dsum_rows[r] : 0.f;
+        }
+    const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);  // a tile with masked pairs
+    auto probabilities = [&]() {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float& x = st[4 * j + e];
+                x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
+                const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
+                if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
+            }
+        // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the exponentials,
+        // its predicated compares kept everything live at once: ptxas spilled); with a cap, P is formed
+        // after dP^T and the other way round spills.
+        if (!SOFTCAP && edge) {
+#pragma unroll
+            for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
+                    if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
+                }
+        }
+    };
+    wgmma_wait<1>();  // S^T
+    wgmma_fence_regs(st);
+    if constexpr (SOFTCAP) {
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
+    } else {
+        probabilities();
+    }
+    wgmma_wait<0>();  // dP^T
+    wgmma_fence_regs(dpt);
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float& ds = dpt[4 * j + e];
+            ds -= dsum[j][e % 2];
+            if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
+        }
+    if constexpr (SOFTCAP) probabilities();
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) dpt[j] *= st[j];
 }

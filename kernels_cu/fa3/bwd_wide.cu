@@ -1,0 +1,229 @@
+// FA3-style attention backward for Hopper (sm_90a), head dims 192 and 256: fa3/bwd.cu's pipeline with the
+// work split the other way. At d = 256 a consumer warpgroup cannot hold dK and dV for 64 keys over the whole
+// head dim (2 x 128 fp32 registers per thread), so here the two consumers share the block's 64 keys and
+// split the head dim: consumer c owns columns [128 c, 128 c + 128) of dK, dV and dQ.
+//
+// A thread block owns BN = 64 keys of one (batch, KV head) and walks the query heads of its group and the
+// 64-row query blocks that see those keys. Per query block:
+//   consumer c computes, for all 64 keys and its 32 queries (rows 32 c .. 32 c + 31 of the block),
+//       S^T = K Q^T, dP^T = V dO^T                      (64 x 32, operands in shared memory, K-major)
+//       P^T, dS^T = P^T o (dP^T - D)                    (fa3/bwd_roles.cuh: probabilities_and_ds)
+//     and stores both as bf16/fp16 into the block's [64 keys][64 queries] tiles of P^T and dS^T; once
+//     both consumers' halves are in (a named barrier), over its 128 columns:
+//       dV += P^T dO,  dK += dS^T Q                     (A from shared memory, B MN-major)
+//       dQ  = dS K                                      (both MN-major), staged for its dQ writer
+//   The producer warpgroup is fa3/bwd.cu's: thread 0 loads K, V once and streams (Q, dO, LSE, D) through a
+//   one-slot ring (two do not fit next to the dQ staging: 32 KB per slot), warps 1 and 2 are the dQ
+//   writers (bwd_roles.cuh: write_dq_tiles), deterministic mode as in fa3/bwd.cu (descending K-block
+//   order, highest block launched first).
+// d = 192 runs as 256: the tiles' last 64 columns are TMA's zeros and only d columns are stored.
+//
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (192, 256), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
+// CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
+#include "fa3/bwd_roles.cuh"
+
+constexpr int D = CUFLASH_HEADDIM;
+constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
+constexpr bool VARLEN = CUFLASH_VARLEN;
+constexpr int DP = 256;                // every product runs over 256 columns (d = 192: 64 of TMA's zeros)
+constexpr int ATOMS = DP / 64;         // 64-column atoms of 128-byte rows
+constexpr int HALF = DP / 2;           // head-dim columns per consumer
+constexpr int BM = 64;                 // query rows per step
+constexpr int QH = BM / 2;             // query rows per consumer for S^T and dP^T
+constexpr int BN = 64;                 // keys per thread block
+constexpr int STAGES = 1;
+constexpr int THREADS = 384;
+constexpr int CONSUMER_WARPS = 8;
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // (fa3/bwd.cu: the split must fit the block's 168)
+constexpr int DQ_STAGES = 1;
+constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;
+constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, PDS_BYTES = BN * BM * 2;
+constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
+constexpr int DQ_BOXES = HALF / 32;
+static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
+static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
+              "the register split must fit in what the block starts with");
+static_assert(D > 128 && D <= DP, "head dims 192 and 256 (fa3/bwd.cu has the others)");
+
+struct Smem {
+    alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
+    alignas(1024) unsigned char v[KV_BYTES];
+    alignas(1024) unsigned char q[STAGES][QB_BYTES];  // ATOMS atoms of [BM][64]
+    alignas(1024) unsigned char dout[STAGES][QB_BYTES];
+    alignas(1024) unsigned char pt[PDS_BYTES];        // P^T [BN keys][BM queries], 128-byte swizzle
+    alignas(1024) unsigned char dst[PDS_BYTES];       // dS^T, the same
+    alignas(1024) unsigned char dq[2][DQ_STAGES][DQ_BOXES * DQ_BOX_BYTES];  // per consumer: its dQ columns
+    alignas(128) float lse[STAGES][BM];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
+    alignas(128) float dsum[STAGES][BM];
+    u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
+    u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];
+    DqTile dq_tile[2][DQ_TILE_SLOTS];
+};
+static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
+
+// Named barriers over both consumers (256 threads) around the shared P^T / dS^T tiles, and per consumer
+// (128) for its dQ tile.
+constexpr int PDS_FREE_BAR = 1, PDS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
+
+// acc (64 keys x HALF) += A (64 keys x BM queries, a [key][query] tile in shared memory, K-major) Y (BM x
+// HALF: this consumer's two atoms of a [BM][D] tile, read MN-major).
+__device__ __forceinline__ void issue_acc_tile_y(float (&acc)[HALF / 2], const unsigned char* a_tile,
+                                                 const unsigned char* y_half) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+        wgmma_ss<HALF, 1>(acc, wgmma_desc_advance(wgmma_desc(a_tile), 32 * kk),
+                          wgmma_desc_mn(y_half + kk * 16 * 128, BM * 128), 1);
+}
+
+// A 64 x 32 accumulator (P^T or dS^T of this consumer's 32 queries) into the block's [key][query] tile
+// as 16-bit pairs: row key at key * 128 bytes, 16-byte chunk (8 queries) ch at (ch ^ key % 8) * 16.
+__device__ __forceinline__ void store_half_tile(unsigned char* tile, const float (&acc)[QH / 2], int c,
+                                                const Lane& ln) {
+#pragma unroll
+    for (int j = 0; j < QH / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int key = 16 * ln.w + ln.g + 8 * hh, chunk = (QH / 8) * c + j;
+            *reinterpret_cast<u32*>(tile + key * 128 + ((chunk ^ (key % 8)) * 16) + 4 * ln.q4) =
+                elem_t::pack2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    fa3_bwd_wide(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+                 const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
+                 const __grid_constant__ TensorMap map_dq, const __grid_constant__ TensorMap map_lse,
+                 const __grid_constant__ TensorMap map_dsum, const Fa3BwdParams p) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    Smem& sm = aligned_smem<Smem>(smem_raw);
+
+    // Deterministic mode launches the highest K block first (fa3/bwd.cu).
+    const int n_block = p.dq_semaphore ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int kv_head = blockIdx.y, batch = blockIdx.z;
+    const int group = p.heads / p.kv_heads;
+    const int warpgroup = threadIdx.x / 128;
+    int m_lo, m_hi;  // the Q blocks that see this K block (each role finds them after its setmaxnreg)
+
+    if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
+    __syncthreads();
+
+    if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
+        regs_decrease<PRODUCER_REGS>();
+        const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
+        const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+        mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+        const int warp = threadIdx.x / 32;
+        if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
+        if (warp == 0)
+            load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
+                                                                &map_dsum, p, seq, batch, kv_head, group, n_block,
+                                                                m_lo, m_hi);
+        else  // the dQ writer of consumer warp - 1: a tile at every step
+            write_dq_tiles<D, DQ_BOXES, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, warp - 1,
+                                                                                group * (m_hi - m_lo));
+        return;
+    }
+
+    // ------------------------------------------------------------------------------------- consumers
+    regs_increase<CONSUMER_REGS>();
+    const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
+    const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+    const int c = warpgroup - 1;  // which 32 queries of a block (S^T, dP^T), which 128 head-dim columns
+    const int t = threadIdx.x % 128, lane = t % 32;
+    const Lane ln{t / 32, lane / 4, lane % 4};
+    const int key_lo = n_block * BN + 16 * ln.w + ln.g;  // this thread's keys: key_lo, key_lo + 8
+
+    float dk[HALF / 2], dv[HALF / 2];
+#pragma unroll
+    for (int j = 0; j < HALF / 2; ++j) dk[j] = dv[j] = 0.f;
+
+    if (m_lo < m_hi) {
+        mbar_wait(&sm.kv_full, 0);
+        const int steps = group * (m_hi - m_lo);  // step i: Q block m of the group's (i / (m_hi - m_lo))-th head
+        for (int i = 0; i < steps; ++i) {
+            const int m = m_lo + i % (m_hi - m_lo), s = i % STAGES;
+            if (t == 0) {  // where this step's dQ tile goes, for the writer (fa3/bwd.cu: DQ_TILE_SLOTS)
+                const int h = kv_head * group + i / (m_hi - m_lo);
+                DqTile& tile = sm.dq_tile[c][i % DQ_TILE_SLOTS];
+                tile.col = c * HALF;
+                tile.row = seq.q_start + m * BM;
+                tile.head = VARLEN ? h : batch * p.heads + h;
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2);
+            }
+            mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
+            float st[QH / 2], dpt[QH / 2];
+            wgmma_abt_kmajor<QH, DP / 16>(st, sm.k, BN * 128, sm.q[s] + c * QH * 128, BM * 128);
+            wgmma_abt_kmajor<QH, DP / 16>(dpt, sm.v, BN * 128, sm.dout[s] + c * QH * 128, BM * 128);
+            probabilities_and_ds<BM, BN, SOFTCAP, QH>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, c * QH, key_lo,
+                                                      ln, seq, mask, p);
+
+            // P^T and dS^T into the shared tiles: both consumers' GEMMs of the last step, which read both
+            // halves, are done (each waited for its own before arriving here).
+            named_sync(PDS_FREE_BAR, 256);
+            store_half_tile(sm.pt, st, c, ln);
+            store_half_tile(sm.dst, dpt, c, ln);
+            fence_async_smem();
+            named_sync(PDS_READY_BAR, 256);  // all 64 queries of P^T and dS^T are in
+
+            // This consumer's columns: dV += P^T dO, dK += dS^T Q; then dQ = dS K (A = dS^T read MN-major,
+            // B = K MN-major), into a buffer the writer has freed.
+            const unsigned char* dout_half = sm.dout[s] + c * 2 * BM * 128;
+            const unsigned char* q_half = sm.q[s] + c * 2 * BM * 128;
+            wgmma_fence();
+            issue_acc_tile_y(dv, sm.pt, dout_half);
+            issue_acc_tile_y(dk, sm.dst, q_half);
+            wgmma_commit();
+            mbar_wait(&sm.dq_empty[c][i % DQ_STAGES], ((i / DQ_STAGES) & 1) ^ 1);
+            float dq[HALF / 2];
+            const u64 desc_ds = wgmma_desc_mn(sm.dst, BN * 128);
+            const u64 desc_k = wgmma_desc_mn(sm.k + c * 2 * BN * 128, BN * 128);
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                wgmma_ss_mn<HALF>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
+                                  wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_regs(dk);
+            wgmma_fence_regs(dv);
+            wgmma_fence_regs(dq);
+            if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+
+            // dQ into the staging buffer as DQ_BOXES boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte
+            // swizzle: 16-byte chunk ch of row r at ch ^ (r % 8)); float2 stores.
+            unsigned char* dq_tile = sm.dq[c][i % DQ_STAGES];
+#pragma unroll
+            for (int j = 0; j < HALF / 8; ++j)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
+                    const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
+                    *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 + 8 * (ln.q4 % 2)) =
+                        make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                }
+            fence_async_smem();
+            named_sync(DQ_BAR + c, 128);
+            if (t == 0) mbar_arrive(&sm.dq_full[c][i % DQ_STAGES]);  // to this consumer's dQ writer
+        }
+    }
+
+    // dK = scale * sum dS^T Q and dV, this consumer's columns for this thread's two keys; keys past the end
+    // and the padding's columns are not stored.
+    const SeqInfo kv_seq = bwd_sequence<VARLEN>(p, batch);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key_lo + 8 * r;
+        if (key >= kv_seq.seqlen_k) continue;
+        const i64 row = i64(kv_seq.k_start) + key;
+        u16* dk_row = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + row * p.dk_row_stride;
+        u16* dv_row = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + row * p.dv_row_stride;
+#pragma unroll
+        for (int j = 0; j < HALF / 8; ++j) {
+            const int col = c * HALF + 8 * j + 2 * ln.q4;
+            if (col >= D) continue;
+            *reinterpret_cast<u32*>(dk_row + col) =
+                elem_t::pack2(dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+            *reinterpret_cast<u32*>(dv_row + col) = elem_t::pack2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+}
