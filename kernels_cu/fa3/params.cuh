@@ -40,4 +40,5 @@ struct Fa3BwdParams {
     // Deterministic mode: (batch, heads, q_blocks, dQ atoms) zeroed counters; each K block adds its dQ share
     // of a Q block when the counter says it is its turn (null: adds in any order).
     int* dq_semaphore;
+    int highest_first;  // launch the K blocks highest first (deterministic mode must; cuflash/heuristics.py)
 };
