@@ -16,7 +16,8 @@
 //   one-slot ring (two do not fit next to the dQ staging: 32 KB per slot), warps 1 and 2 are the dQ
 //   writers (bwd_roles.cuh: write_dq_tiles), deterministic mode as in fa3/bwd.cu (descending K-block
 //   order, highest block launched first).
-// d = 192 runs as 256: the tiles' last 64 columns are TMA's zeros and only d columns are stored.
+// d = 192 runs as 256: the tiles' last 64 columns are zeros written once at the start (TMA loads only the
+// three atoms that exist) and only d columns are stored.
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (192, 256), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1),
 // CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
@@ -27,6 +28,7 @@ constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;
 constexpr int DP = 256;                // every product runs over 256 columns (d = 192: 64 of TMA's zeros)
 constexpr int ATOMS = DP / 64;         // 64-column atoms of 128-byte rows
+constexpr int LOADED_ATOMS = (D + 63) / 64;  // the atoms TMA fills; the rest (d = 192: one) stay zero
 constexpr int HALF = DP / 2;           // head-dim columns per consumer
 constexpr int BM = 64;                 // query rows per step
 constexpr int QH = BM / 2;             // query rows per consumer for S^T and dP^T
@@ -44,6 +46,7 @@ static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the b
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
 static_assert(D > 128 && D <= DP, "head dims 192 and 256 (fa3/bwd.cu has the others)");
+static_assert(BM == 64 && BN == 64, "the padding atoms are zeroed as 64 rows of 128 bytes");
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
@@ -105,6 +108,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     int m_lo, m_hi;  // the Q blocks that see this K block (each role finds them after its setmaxnreg)
 
     if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
+    if constexpr (LOADED_ATOMS < ATOMS) {
+        // d = 192: the last atom of every K, V, Q and dO tile is zeros, written once here (TMA never loads
+        // it) and made visible to the tensor cores' reads before anyone goes on.
+        for (int a = LOADED_ATOMS; a < ATOMS; ++a)
+            for (int i = threadIdx.x; i < 64 * 128 / 16; i += THREADS) {
+                const uint4 zero = make_uint4(0, 0, 0, 0);
+                reinterpret_cast<uint4*>(sm.k + a * BN * 128)[i] = zero;
+                reinterpret_cast<uint4*>(sm.v + a * BN * 128)[i] = zero;
+                for (int s = 0; s < STAGES; ++s) {
+                    reinterpret_cast<uint4*>(sm.q[s] + a * BM * 128)[i] = zero;
+                    reinterpret_cast<uint4*>(sm.dout[s] + a * BM * 128)[i] = zero;
+                }
+            }
+        fence_async_smem();
+    }
     __syncthreads();
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
@@ -115,9 +133,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int warp = threadIdx.x / 32;
         if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
         if (warp == 0)
-            load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
-                                                                &map_dsum, p, seq, batch, kv_head, group, n_block,
-                                                                m_lo, m_hi);
+            load_kv_and_q_blocks<LOADED_ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do,
+                                                                       &map_lse, &map_dsum, p, seq, batch, kv_head,
+                                                                       group, n_block, m_lo, m_hi);
         else  // the dQ writer of consumer warp - 1: a tile at every step
             write_dq_tiles<D, DQ_BOXES, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, warp - 1,
                                                                                 group * (m_hi - m_lo));
