@@ -2,7 +2,8 @@
 # One call on the GPU machine: GPU tests, then the benchmark suites, logs and JSON under $OUT.
 #   scripts/gpu_check.sh [STAGE...]   stages: warm (compile every variant, all cores), tests, risky (the
 #                                     kernels that could hang, each in its own process), bench, long (64k
-#                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize
+#                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize,
+#                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
@@ -66,6 +67,16 @@ for stage in "${stages[@]}"; do
       python3 scripts/quick_perf.py ${QUICK_ARGS:-} --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.log" || status=1 ;;
     sanitize)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
+    probes)
+      # The tuning probes the notes ask for next, each under a time limit, one log: FA3 backward launch order
+      # and deterministic mode, FA3 forward/backward at d = 128 and 256, FP8 d = 128 with and without the
+      # pingpong, decode 1 x 32k by number of splits.
+      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-150} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -12 || status=1; }
+      [ -f scripts/bwd_order_probe.py ] && probe scripts/bwd_order_probe.py --headdims 64,128 --seqlens 2048,8192
+      probe scripts/quick_perf.py --impls fa3 --headdims 128,256 --seqlens 2048,8192 --deterministic --reps 10
+      probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer
+      probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer --tiles 128:128:2:1:0
+      probe scripts/decode_probe.py --shapes 1x32768 --splits 8,12,16,24,33 --page-sizes 0,1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
