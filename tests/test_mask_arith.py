@@ -18,7 +18,10 @@ Properties, for every instantiated (BM, BN):
     FA2 backward relies on it: K block n adds into dQ block m at turn n - lo of kv_block_range(m), so
     a pair one range has and the other lacks would stall that semaphore forever (or skip a turn);
   * ``tile_all_visible(m, n)`` implies that every (row, col) of the tile is in range and visible; how
-    often it is conservatively false is reported (no assertion).
+    often it is conservatively false is reported (no assertion);
+  * the FA3 backward's deterministic dQ order, simulated on these ranges (descending turns, highest block
+    launched first, blocks past the last key, as few as one resident block), always finishes (with the
+    header before session 5, blocks past the last key waited forever: 5 cases fail).
 """
 from __future__ import annotations
 
@@ -419,3 +422,60 @@ def test_tile_all_visible_fast_path_report(masklib, request, record_property):
                      f"conservatively reported as needing the mask ({detail})")
     record_property("tile_all_visible_missed", total_missed)
     record_property("tile_all_visible_full", total_full)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the FA3 backward's deterministic dQ order (kernels_cu/fa3/bwd_roles.cuh: dq_turn), simulated
+# ----------------------------------------------------------------------------------------------------
+
+def simulate_dq_order(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True):
+    """The deterministic FA3 backward's schedule, one head and one dQ part: K block n visits the Q blocks of
+    q_block_range(n) upwards and may add into Q block m only when m's counter equals its turn (descending:
+    n_end - 1 - n, as dq_turn; else n - n_first, the order before session 5); blocks are launched highest
+    first into `resident` slots (as many blocks as the SMs hold), a slot freeing when its block finishes.
+    `extra_blocks` blocks past the last key are launched too (a packed batch's shorter sequences).
+    Returns None when every block finishes and every counter reached its block count, else what stuck."""
+    bm, bn = tile
+    n_blocks = _ceil(sk, bn) + extra_blocks
+    work = {n: list(range(*(int(x[0]) for x in masklib.q_ranges(tile, sq, sk, left, right, n, 1))))
+            for n in range(n_blocks)}
+    kv = {m: tuple(int(x[0]) for x in masklib.kv_ranges(tile, sq, sk, left, right, m, 1)) for m in range(_ceil(sq, bm))}
+    turn = (lambda n, m: kv[m][1] - 1 - n) if descending else (lambda n, m: n - kv[m][0])
+    counter = {m: 0 for m in kv}
+    waiting = list(range(n_blocks - 1, -1, -1))  # launch order: highest first
+    running = []
+    while waiting or running:
+        while waiting and len(running) < resident:
+            running.append(waiting.pop(0))
+        moved = False
+        for n in list(running):
+            while work[n] and counter[work[n][0]] == turn(n, work[n][0]):
+                counter[work[n].pop(0)] += 1
+                moved = True
+            if not work[n]:
+                running.remove(n)
+                moved = True
+        if not moved:
+            return f"stuck: blocks {running} wait at Q blocks {[work[n][0] for n in running]}"
+    short = {m: (counter[m], hi - lo) for m, (lo, hi) in kv.items() if counter[m] != max(0, hi - lo)}
+    return f"counters short of their block counts: {short}" if short else None
+
+
+@pytest.mark.parametrize("tile", [(64, 128), (64, 64)])  # fa3/bwd.cu, fa3/bwd_wide.cu
+@pytest.mark.parametrize("sq, sk, causal, window", [
+    (1000, 1000, False, (-1, -1)), (1000, 1000, True, (-1, -1)), (300, 1900, True, (-1, -1)),
+    (1900, 300, True, (-1, -1)), (1500, 1500, False, (256, 0)), (1500, 1500, False, (100, 300)),
+    (777, 2049, False, (-1, 64)), (64, 5000, True, (-1, -1)),
+])
+def test_deterministic_dq_order_never_waits_forever(masklib, tile, sq, sk, causal, window):
+    """Descending turns with the highest block launched first finish with any number of resident blocks
+    (down to one) and blocks past the last key: a block only ever waits for blocks launched before it.
+    The ascending order with the same launch order gets stuck under a causal mask: the model can fail."""
+    left, right = kernel_window(sq, sk, causal, window)
+    for resident in (1, 2, 5, 1000):
+        for extra in (0, 3):
+            stuck = simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=extra, resident=resident)
+            assert stuck is None, f"tile {tile}, {resident} resident, {extra} blocks past the end: {stuck}"
+    if causal and sk >= 2 * tile[1]:
+        assert simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=1,
+                                 descending=False) is not None
