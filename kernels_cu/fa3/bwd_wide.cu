@@ -201,11 +201,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_ss_mn<HALF>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
                                   wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();
+            wgmma_wait<1>();  // dV, dK (dQ reads K and dS^T only): the producer may refill the one slot now
             wgmma_fence_regs(dk);
             wgmma_fence_regs(dv);
-            wgmma_fence_regs(dq);
             if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+            wgmma_wait<0>();  // dQ
+            wgmma_fence_regs(dq);
 
             // dQ into the staging buffer as DQ_BOXES boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte
             // swizzle: 16-byte chunk ch of row r at ch ^ (r % 8)); float2 stores.
