@@ -27,7 +27,7 @@ def _host(x):
     """float64 numpy copy of a torch tensor, CuPy array, JAX array or numpy array."""
     mod = type(x).__module__.split(".")[0]
     if mod == "torch":
-        return x.detach().float().cpu().numpy().astype(np.float64)
+        return x.detach().double().cpu().numpy()
     if mod == "cupy":
         return x.astype("float32").get().astype(np.float64)
     return np.asarray(x).astype(np.float32).astype(np.float64)
@@ -84,16 +84,16 @@ def _torch_inputs(torch, b, sq, sk, d, dtype=None, seed=0, requires_grad=True):
     return rand(b, sq, H, d), rand(b, sk, HKV, d), rand(b, sk, HKV, d)
 
 
-def _sdpa_fp32(torch, q, k, v, causal, softmax_scale=None):
-    """torch SDPA (math backend) in fp32 with an explicit boolean mask (bottom-right causal); GQA by
-    repeating the KV heads. Differentiable; returns (B, Sq, H, D) fp32."""
+def _sdpa_ref(torch, q, k, v, causal, softmax_scale=None):
+    """torch SDPA (math backend) in fp64 with an explicit boolean mask (bottom-right causal); GQA by
+    repeating the KV heads. Differentiable (the gradient reference); returns (B, Sq, H, D) fp64."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sq, sk, h, hk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq) if causal else None
-    qt = q.float().transpose(1, 2)
-    kt = k.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
-    vt = v.float().transpose(1, 2).repeat_interleave(h // hk, dim=1)
+    qt = q.double().transpose(1, 2)
+    kt = k.double().transpose(1, 2).repeat_interleave(h // hk, dim=1)
+    vt = v.double().transpose(1, 2).repeat_interleave(h // hk, dim=1)
     with sdpa_kernel(SDPBackend.MATH):
         o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale)
     return o.transpose(1, 2)
@@ -117,9 +117,9 @@ def _check_torch_against_reference(torch, ct, q, k, v, causal, dout=None):
         dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
 
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    o_ref = _sdpa_fp32(torch, q32, k32, v32, causal)
-    g_ref = torch.autograd.grad(o_ref, (q32, k32, v32), dout.float())
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_ref = _sdpa_ref(torch, q64, k64, v64, causal)
+    g_ref = torch.autograd.grad(o_ref, (q64, k64, v64), dout.double())
     o_low, _ = ref.attention_ref_lowp(_cupy(q), _cupy(k), _cupy(v), causal=causal)
     g_low = ref.attention_ref_backward_lowp(_cupy(dout), _cupy(q), _cupy(k), _cupy(v), causal=causal)
 
@@ -146,12 +146,12 @@ def test_torch_fp16_and_broadcast_dout(torch, ct):
     q, k, v = _torch_inputs(torch, 1, 96, 160, 64, dtype=torch.float16)
     out = ct.flash_attn_func(q, k, v, causal=True)
     out.float().sum().backward()
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    _sdpa_fp32(torch, q32, k32, v32, True).sum().backward()
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    _sdpa_ref(torch, q64, k64, v64, True).sum().backward()
     ones = torch.ones_like(out)
     g_low = ref.attention_ref_backward_lowp(_cupy(ones), _cupy(q), _cupy(k), _cupy(v), causal=True)
-    for name, x, x32, gl in zip(("dq", "dk", "dv"), (q, k, v), (q32, k32, v32), g_low):
-        _check(name, x.grad, x32.grad, gl)
+    for name, x, x64, gl in zip(("dq", "dk", "dv"), (q, k, v), (q64, k64, v64), g_low):
+        _check(name, x.grad, x64.grad, gl)
 
 
 def _backward_takes(name):
@@ -331,11 +331,11 @@ def test_torch_non_default_stream(torch, ct):
     with torch.cuda.stream(side):
         ct.flash_attn_func(qg, kg, vg, causal=True).float().sum().backward()
     torch.cuda.synchronize()
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    _sdpa_fp32(torch, q32, k32, v32, True).sum().backward()
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    _sdpa_ref(torch, q64, k64, v64, True).sum().backward()
     g_low = ref.attention_ref_backward_lowp(_cupy(torch.ones_like(q)), _cupy(q), _cupy(k), _cupy(v), causal=True)
-    for name, x, x32, gl in zip(("dq", "dk", "dv"), (qg, kg, vg), (q32, k32, v32), g_low):
-        _check(name, x.grad, x32.grad, gl)
+    for name, x, x64, gl in zip(("dq", "dk", "dv"), (qg, kg, vg), (q64, k64, v64), g_low):
+        _check(name, x.grad, x64.grad, gl)
 
 
 # --- torch: flash_attn_varlen_func -----------------------------------------------------------------
@@ -370,15 +370,15 @@ def _first_visible_row(sq, sk, causal):
     return max(0, sq - sk) if causal else 0
 
 
-def _varlen_sdpa_fp32(torch, q, k, v, bounds, causal):
-    """Per-sequence SDPA (math backend, fp32, bottom-right causal mask) over packed q/k/v; rows that
+def _varlen_sdpa_ref(torch, q, k, v, bounds, causal):
+    """Per-sequence SDPA (math backend, fp64, bottom-right causal mask) over packed q/k/v; rows that
     see no key and rows after the last sequence are 0. Differentiable with respect to q, k and v. Only
     the rows that see a key go through SDPA (fully masked rows are NaN in some torch versions)."""
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for _, qs, qe, ks, ke in bounds:
         first = qs + _first_visible_row(qe - qs, ke - ks, causal)
         if first < qe:
-            o = _sdpa_fp32(torch, q[None, first:qe], k[None, ks:ke], v[None, ks:ke], causal)
+            o = _sdpa_ref(torch, q[None, first:qe], k[None, ks:ke], v[None, ks:ke], causal)
             out = out.index_put((torch.arange(first, qe, device=q.device),), o[0])
     return out
 
@@ -409,9 +409,9 @@ def test_torch_varlen_forward_and_grads_vs_sdpa(torch, ct, custom_op, causal, d,
     for g, like in ((dq, q), (dk, k), (dv, v)):
         assert g.shape == like.shape and g.dtype == like.dtype
 
-    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    o_ref = _varlen_sdpa_fp32(torch, q32, k32, v32, bounds, causal)
-    g_ref = torch.autograd.grad(o_ref, (q32, k32, v32), dout.float())
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o_ref = _varlen_sdpa_ref(torch, q64, k64, v64, bounds, causal)
+    g_ref = torch.autograd.grad(o_ref, (q64, k64, v64), dout.double())
 
     for b, qs, qe, ks, ke in bounds:
         if qe == qs:  # no queries: this sequence's keys get no gradient
