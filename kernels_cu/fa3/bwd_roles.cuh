@@ -1,5 +1,6 @@
-// What the FA3 backward kernels share: fa3/bwd.cu (head dims up to 128, the consumers split the keys) and
-// fa3/bwd_wide.cu (192 and 256, the consumers split the head dim). Both kernels have a producer
+// The FA3 backward's producer-warpgroup roles, apart from fa3/bwd.cu (head dims up to 128, the consumers
+// split the keys) so that a kernel with another work split (head dims 192 and 256, the consumers splitting
+// the head dim) can share them. Such a kernel has a producer
 // warpgroup whose thread 0 loads K and V once and streams the (Q, dO, LSE, D) blocks through a ring, and
 // whose warps 1 and 2 are the dQ writers of consumers 0 and 1: they add the dQ tiles the consumers stage
 // in shared memory to the fp32 accumulator by TMA reduce-add, in deterministic mode in their turn.
