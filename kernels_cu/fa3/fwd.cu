@@ -93,6 +93,7 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
 constexpr int PINGPONG_BAR = 1;
 constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer warpgroup
+constexpr int RESCALE_VOTE_BAR = 5;  // + consumer: the 128 threads of one consumer warpgroup
 // CUFLASH_PINGPONG 0 leaves the two consumers to issue whenever they are ready (a tuning switch: FP8's
 // GEMMs are half as long as bf16's, so the turns may cost more than they hide).
 constexpr bool PINGPONG = CUFLASH_PINGPONG;
@@ -475,16 +476,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 softmax.alpha[1] *= v_ratio;
                 rescale = true;
             }
-            // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
-            // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
-            // the SASS).
-            if (rescale) {
-                wgmma_wait<0>();
-                wgmma_fence_regs(o);
+            if constexpr (INTRA_WG_OVERLAP) {
+                // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
+                // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
+                // the SASS). wgmma.wait_group is .aligned over the warpgroup, so its four warps must take
+                // the same side: they vote (a row max moved in any of the warpgroup's 64 rows).
+                if (named_sync_any(RESCALE_VOTE_BAR + c, 128, rescale)) {
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(o);
+                    softmax.rescale(o);
+                } else {
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(o);
+                }
+            } else if (rescale) {  // P V is done already
                 softmax.rescale(o);
-            } else {
-                wgmma_wait<0>();
-                wgmma_fence_regs(o);
             }
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
             pack_p(sc, pv_a);
