@@ -69,16 +69,12 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         smem += o_bytes
     else:
         smem += 16 + 1024  # the unused 16-byte placeholder, aligned
-    # Packed GQA at d = 256 keeps each row's query head and row through the loop, a few registers more than
-    # O (128), S (32) and P (16) leave of a consumer's 240 once the warpgroup votes on the O rescale: S
-    # waits for P V there instead of overlapping it.
-    overlap = t.intra_wg_overlap and not (pack_gqa and headdim == 256)
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
          ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
          ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
-         ("CUFLASH_INTRA_WG_OVERLAP", int(overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
+         ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
          ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )

@@ -127,14 +127,6 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-// Named barrier `id` as a vote: true in every one of the `threads` threads when any of them passes true.
-__device__ __forceinline__ bool named_sync_any(int id, int threads, bool pred) {
-    u32 any;
-    asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}"
-        : "=r"(any) : "r"(u32(pred)), "r"(id), "r"(threads));
-    return any;
-}
 
 // ---------------------------------------------------------------------------------------------------
 // wgmma: a warpgroup (4 warps) multiplies a 64 x 16 A by a 16 x N B into a 64 x N fp32 accumulator.

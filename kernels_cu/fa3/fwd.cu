@@ -93,7 +93,6 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
 constexpr int PINGPONG_BAR = 1;
 constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer warpgroup
-constexpr int RESCALE_VOTE_BAR = 5;  // + consumer: the 128 threads of one consumer warpgroup
 // CUFLASH_PINGPONG 0 leaves the two consumers to issue whenever they are ready (a tuning switch: FP8's
 // GEMMs are half as long as bf16's, so the turns may cost more than they hide).
 constexpr bool PINGPONG = CUFLASH_PINGPONG;
@@ -421,7 +420,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
         mbar_wait(&sm.q_full, q_iter++ & 1);
 
-        // Prologue: S_0 and its softmax; nothing to overlap with yet.
+        // Prologue: S_0 and its softmax; nothing to overlap with yet. rescale: O is to be multiplied by
+        // softmax.alpha before the next P V is added (a row max moved in the warp, or FP8's V descale).
+        bool rescale = false;
         {
             const int s = i % STAGES;
             wait_my_turn(c);
@@ -447,8 +448,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.v_full[s_prev], (i / STAGES) & 1);
             if constexpr (INTRA_WG_OVERLAP) {
                 issue_qk(sc, q_rows, sm.k[s]);
+                if (rescale) softmax.rescale(o);  // under S_n: O is idle until P_{n-1} V_{n-1} is issued
                 issue_pv(o, pv_a, sm.v[s_prev]);
             } else {  // P_{n-1} V_{n-1} finishes before S_n takes its registers
+                if (rescale) softmax.rescale(o);
                 issue_pv(o, pv_a, sm.v[s_prev]);
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
@@ -465,33 +468,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
             wgmma_wait<INTRA_WG_OVERLAP ? 1 : 0>();  // S_n is done; P_{n-1} V_{n-1} may still run
             wgmma_fence_regs(sc);
+            rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
+                                   row_scale, tile_scale);
+            // K_n's slot is released after the exponentials, not right after S_n: this branch ends the block
+            // that holds them, so ptxas cannot hoist the wait for P V below above them (in one block it
+            // does, which serialises the loop; tests/test_compile.py checks the SASS).
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
             }
-            bool rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
-                                        row_scale, tile_scale);
             if (FP8 && v_ratio != 1.f) {
                 softmax.alpha[0] *= v_ratio;
                 softmax.alpha[1] *= v_ratio;
                 rescale = true;
             }
-            if constexpr (INTRA_WG_OVERLAP) {
-                // The wait for P V sits behind the rescale branch on purpose: in straight-line code ptxas
-                // hoists it above the exponentials, which serialises the loop (tests/test_compile.py checks
-                // the SASS). wgmma.wait_group is .aligned over the warpgroup, so its four warps must take
-                // the same side: they vote (a row max moved in any of the warpgroup's 64 rows).
-                if (named_sync_any(RESCALE_VOTE_BAR + c, 128, rescale)) {
-                    wgmma_wait<0>();
-                    wgmma_fence_regs(o);
-                    softmax.rescale(o);
-                } else {
-                    wgmma_wait<0>();
-                    wgmma_fence_regs(o);
-                }
-            } else if (rescale) {  // P V is done already
-                softmax.rescale(o);
-            }
+            // P_{n-1} V_{n-1} done: its V slot is free. O is rescaled by alpha_n (and FP8's V ratio) in the
+            // next iteration, under S_{n+1}, so every warp of the warpgroup waits here at the same PC
+            // (wgmma.wait_group is .aligned: a wait inside a per-warp rescale branch is what
+            // compute-sanitizer's synccheck flagged).
+            wgmma_wait<0>();
+            wgmma_fence_regs(o);
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
             pack_p(sc, pv_a);
             ++i;
@@ -502,6 +498,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const int s = i % STAGES;
             wait_my_turn(c);
             mbar_wait(&sm.v_full[s], (i / STAGES) & 1);
+            if (rescale) softmax.rescale(o);
             issue_pv(o, pv_a, sm.v[s]);
             pass_the_turn(c);
             wgmma_wait<0>();
