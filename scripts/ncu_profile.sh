@@ -11,7 +11,8 @@
 # (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile. The clocks are
 # left alone (--clock-control none, as the device notes ask). Full reports go to $OUT/ncu-<case>.txt (with
 # SourceCounters: the SASS lines where warps stall most); the summary lines (duration, SM and memory
-# throughput, tensor pipe, issue-slot use, the top stall reasons, DRAM bytes) are printed per kernel.
+# throughput, tensor pipe, issue-slot use, shared-memory pipe use, the top stall reasons, DRAM bytes) are
+# printed per kernel.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -35,8 +36,9 @@ for case in $CASES; do
   fi
   timeout ${NCU_TIMEOUT:-300} "$NCU" --profile-from-start off --target-processes all --clock-control none \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
-    --section ComputeWorkloadAnalysis --section SourceCounters --metrics "$METRICS" "${driver[@]}" > "$log" 2>&1 || status=1
-  grep -E '^\s+[a-z_0-9]+.*\(|Duration|^\s+(Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|No Eligible)|Stall|Pipe|sm__pipe_tensor|sm__inst_executed_pipe_tensor|smsp__issue_active|dram__bytes|lts__t_bytes' "$log" \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SourceCounters \
+    --metrics "$METRICS" "${driver[@]}" > "$log" 2>&1 || status=1
+  grep -E '^\s+[a-z_0-9]+.*\(|Duration|^\s+(Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|No Eligible|Shared Memory|Mem Pipes Busy)|Stall|Pipe|sm__pipe_tensor|sm__inst_executed_pipe_tensor|smsp__issue_active|dram__bytes|lts__t_bytes' "$log" \
     | grep -vE '^\s*$' | head -40
 done
 echo "=== done status=$status"
