@@ -141,8 +141,17 @@ FA3_FP8_TILES = {
 # above (causal, a window's right side). There block n's first Q block grows with n, so highest first runs
 # the shortest blocks first; deterministic mode always does (its dQ order needs it) and measured 3-5 %
 # faster than the default at N = 8k causal on the H200 (bench/NOTES.md, session 5). Off until A/B'd:
-# scripts/bwd_order_probe.py.
+# scripts/bwd_order_probe.py. A/B'd in session 6: highest first 0.97-1.00 of lowest first (causal, d = 64 and
+# 128, N = 2k and 8k), so it stays off.
 FA3_BWD_HIGHEST_FIRST_BOUNDED = False
+
+# Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a
+# head's K blocks number at most this fraction of the SMs. Its blocks may wait for blocks of their head
+# launched after them, so all of a head's must be resident together; the fraction leaves the rest for
+# kernels running beside the backward (NCCL's hold SMs for the whole of a step). At 132 SMs: up to 33 K
+# blocks, N <= 2k at d = 192 / 256 (64 keys per block), N <= 4k below (128), where the descending order's
+# chain costs most (d = 256, N = 2k: deterministic 0.70 of the default).
+FA3_BWD_ROTATE_SM_FRACTION = 0.25
 
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
