@@ -5,8 +5,9 @@ BOUNDARY_ROW = 2^31 / (8 * 64) = 4,194,304 on starts past element 2^31 and any 3
 index and a row stride wraps there. A few query rows (seqlen_q = 3) keep the FLOPs small. The same K/V
 buffer serves a packed variable-length batch (``flash_attn_varlen_func``) whose last sequence runs
 across that boundary. Forward (out, LSE) and backward (dq, dk, dv) are checked, for impl="fa3" (Hopper),
-"fa2" and "fa1" (fa1 has no varlen), and the decode kernel reads the same K/V as a KV cache (contiguous,
-and paged with one row per page, so page numbers times the page stride pass 2^31 elements).
+"fa2" and "fa1" (fa1 has no varlen: the packed batch runs on fa3 and fa2), and the decode kernel reads
+the same K/V as a KV cache (contiguous, and paged with one row per page, so page numbers times the page
+stride pass 2^31 elements).
 
 What makes a wrong offset visible: scores of random data over 4 million keys are flat, so a kernel
 that read the wrong rows would still give a plausible-looking average. Each (query row, head) therefore
@@ -337,9 +338,12 @@ def test_kvcache_past_2_31_elements(poison_allocations, big_kv, paged, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_kv_past_2_31_elements(poison_allocations, big_kv, causal):
+@pytest.mark.parametrize("impl", ["fa3", "fa2"])  # (fa1 has no varlen)
+def test_varlen_kv_past_2_31_elements(poison_allocations, big_kv, impl, causal):
     import cupy
 
+    if impl not in cuflash.available_impls("backward"):
+        pytest.skip(f"{impl} does not run on this GPU")
     k, v = big_kv
     kp, vp = k[0], v[0]  # packed (total_k, Hkv, D) views of the same rows
     cu_k = np.concatenate([[0], np.cumsum(VARLEN_K)]).astype(np.int32)
@@ -357,8 +361,8 @@ def test_varlen_kv_past_2_31_elements(poison_allocations, big_kv, causal):
             _plant_needles(q[qs:qe], kp, _needle_rows(nprng, qe - qs, ks, ke, special))
 
     args = (cupy.asarray(cu_q), cupy.asarray(cu_k), max(VARLEN_Q), max(VARLEN_K))
-    out, lse = cuflash.flash_attn_varlen_func(q, kp, vp, *args, causal=causal, return_lse=True, impl="fa2")
-    dq, dk, dv = cuflash.flash_attn_varlen_backward(dout, q, kp, vp, out, lse, *args, causal=causal, impl="fa2")
+    out, lse = cuflash.flash_attn_varlen_func(q, kp, vp, *args, causal=causal, return_lse=True, impl=impl)
+    dq, dk, dv = cuflash.flash_attn_varlen_backward(dout, q, kp, vp, out, lse, *args, causal=causal, impl=impl)
     cupy.cuda.get_current_stream().synchronize()
 
     for b in range(len(VARLEN_Q)):
