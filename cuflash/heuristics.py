@@ -137,14 +137,6 @@ FA3_FP8_TILES = {
 }
 
 
-# FA3 backward (kernels_cu/fa3/bwd.cu): launch the K blocks highest first when the mask bounds the rows from
-# above (causal, a window's right side). There block n's first Q block grows with n, so highest first runs
-# the shortest blocks first; deterministic mode always does (its dQ order needs it) and measured 3-5 %
-# faster than the default at N = 8k causal on the H200 (bench/NOTES.md, session 5). Off until A/B'd:
-# scripts/bwd_order_probe.py. A/B'd in session 6: highest first 0.97-1.00 of lowest first (causal, d = 64 and
-# 128, N = 2k and 8k), so it stays off.
-FA3_BWD_HIGHEST_FIRST_BOUNDED = False
-
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a
 # head's K blocks number at most this fraction of the SMs. Its blocks may wait for blocks of their head
 # launched after them, so all of a head's must be resident together; the fraction leaves the rest for
