@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _tma
 from ._interop import dtype_name
-from . import _bwd_aux
+from . import _bwd_aux, heuristics
 from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
@@ -89,7 +89,7 @@ BWD_PARAMS = np.dtype(
     pointer_fields("cu_seqlens_q", "cu_seqlens_k", "dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
-    + pointer_fields("dq_semaphore") + [("highest_first", np.int32)],
+    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32)],
     align=True,
 )
 BWD_BLOCK_M = 64
@@ -310,8 +310,20 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     # on the H200 (d = 64 and 128, N = 2k and 8k; bench/NOTES.md, session 6).
     p["highest_first"] = int(deterministic)
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
+    p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
     launch(variant, grid, (*maps, p), stream)
     _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
+
+
+def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
+    """Whether the deterministic FA3 backward takes the rotated dQ order (common/dq_order.cuh): no mask
+    bounding the rows (not causal, no window: every K block touches every Q block), and the ``k_blocks`` K
+    blocks of a head (of the longest sequence) few enough to be resident at once with room to spare (one
+    block per SM; a block in the rotated order may wait for blocks launched after it, so a head whose K
+    blocks do not all fit could wait forever, and kernels running beside this one, e.g. NCCL's, hold SMs
+    too: heuristics.FA3_BWD_ROTATE_SM_FRACTION of them)."""
+    unmasked = window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
+    return unmasked and k_blocks <= num_sms * heuristics.FA3_BWD_ROTATE_SM_FRACTION
 
 
 def varlen_row_pitch(total_q: int, batch: int) -> int:

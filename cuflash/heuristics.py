@@ -137,6 +137,14 @@ FA3_FP8_TILES = {
 }
 
 
+# Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a
+# head's K blocks number at most this fraction of the SMs. Its blocks may wait for blocks of their head
+# launched after them, so all of a head's must be resident together; the fraction leaves the rest for
+# kernels running beside the backward (NCCL's hold SMs for the whole of a step). At 132 SMs: up to 33 K
+# blocks, N <= 2k at d = 192 / 256 (64 keys per block), N <= 4k below (128), where the descending order's
+# chain costs most (d = 256, N = 2k: deterministic 0.70 of the default).
+FA3_BWD_ROTATE_SM_FRACTION = 0.25
+
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. Measured on the H200 (scripts/quick_perf.py,

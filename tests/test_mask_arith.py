@@ -68,6 +68,8 @@ class MaskLib:
         lib.mask_kv_block_ranges.argtypes = [_int] * 8 + [_i32p, _i32p]
         lib.mask_q_block_ranges.argtypes = [_int] * 8 + [_i32p, _i32p]
         lib.mask_tile_all_visible.argtypes = [_int] * 10 + [_u8p]
+        lib.dq_q_block.argtypes = [_int] * 4
+        lib.dq_rotated_turn.argtypes = [_int] * 4
         self.lib = lib
 
     def visible_matrix(self, sq, sk, left, right, rows=None, cols=None) -> np.ndarray:
@@ -428,37 +430,107 @@ def test_tile_all_visible_fast_path_report(masklib, request, record_property):
 # the FA3 backward's deterministic dQ order (kernels_cu/fa3/bwd_roles.cuh: dq_turn), simulated
 # ----------------------------------------------------------------------------------------------------
 
-def simulate_dq_order(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True):
+def simulate_dq_order(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True,
+                      rotated=False):
     """The deterministic FA3 backward's schedule, one head and one dQ part: K block n visits the Q blocks of
-    q_block_range(n) upwards and may add into Q block m only when m's counter equals its turn (descending:
-    n_end - 1 - n, as dq_turn; else n - n_first, the order before session 5); blocks are launched highest
-    first into `resident` slots (as many blocks as the SMs hold), a slot freeing when its block finishes.
+    q_block_range(n) (upwards, or rotated: common/dq_order.cuh's dq_order_q_block) and may add into Q block
+    m only when m's counter equals its turn (descending: n_end - 1 - n, as dq_turn; rotated:
+    dq_order_rotated_turn; else n - n_first, the order before session 5); blocks are launched highest first
+    into `resident` slots (as many blocks as the SMs hold), a slot freeing when its block finishes.
     `extra_blocks` blocks past the last key are launched too (a packed batch's shorter sequences).
     Returns None when every block finishes and every counter reached its block count, else what stuck."""
+    return run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=extra_blocks, resident=resident,
+                           descending=descending, rotated=rotated)[0]
+
+
+def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True, rotated=False,
+                    one_add_per_round=False):
+    """simulate_dq_order's model; also returns the rounds it took. ``one_add_per_round``: in a round each
+    running block makes at most one add (blocks running in step, one Q block each per step), so the rounds
+    count the steps of the slowest block, waits included."""
     bm, bn = tile
     n_blocks = _ceil(sk, bn) + extra_blocks
-    work = {n: list(range(*(int(x[0]) for x in masklib.q_ranges(tile, sq, sk, left, right, n, 1))))
-            for n in range(n_blocks)}
+    work = {}
+    for n in range(n_blocks):
+        lo, hi = (int(x[0]) for x in masklib.q_ranges(tile, sq, sk, left, right, n, 1))
+        count = max(0, hi - lo)
+        work[n] = [lo + masklib.lib.dq_q_block(i, n, count, int(rotated)) for i in range(count)]
     kv = {m: tuple(int(x[0]) for x in masklib.kv_ranges(tile, sq, sk, left, right, m, 1)) for m in range(_ceil(sq, bm))}
-    turn = (lambda n, m: kv[m][1] - 1 - n) if descending else (lambda n, m: n - kv[m][0])
+    if rotated:
+        m_count = _ceil(sq, bm)
+        turn = lambda n, m: masklib.lib.dq_rotated_turn(n, m, kv[m][1] - kv[m][0], m_count)  # noqa: E731
+    elif descending:
+        turn = lambda n, m: kv[m][1] - 1 - n  # noqa: E731
+    else:
+        turn = lambda n, m: n - kv[m][0]  # noqa: E731
     counter = {m: 0 for m in kv}
     waiting = list(range(n_blocks - 1, -1, -1))  # launch order: highest first
     running = []
+    rounds = 0
     while waiting or running:
         while waiting and len(running) < resident:
             running.append(waiting.pop(0))
+        rounds += 1
         moved = False
+        ready = [n for n in running if work[n] and counter[work[n][0]] == turn(n, work[n][0])]
         for n in list(running):
             while work[n] and counter[work[n][0]] == turn(n, work[n][0]):
+                if one_add_per_round and n not in ready:
+                    break  # its turn came this round: the add is next round's
                 counter[work[n].pop(0)] += 1
                 moved = True
+                if one_add_per_round:
+                    break
             if not work[n]:
                 running.remove(n)
                 moved = True
         if not moved:
-            return f"stuck: blocks {running} wait at Q blocks {[work[n][0] for n in running]}"
+            return f"stuck: blocks {running} wait at Q blocks {[work[n][0] for n in running]}", rounds
     short = {m: (counter[m], hi - lo) for m, (lo, hi) in kv.items() if counter[m] != max(0, hi - lo)}
-    return f"counters short of their block counts: {short}" if short else None
+    return (f"counters short of their block counts: {short}" if short else None), rounds
+
+
+@pytest.mark.parametrize("m_count", [1, 2, 3, 7, 16, 33])
+@pytest.mark.parametrize("n_count", [1, 2, 5, 16, 17, 33, 64, 100])
+def test_rotated_dq_turns_are_a_permutation_in_step_order(masklib, m_count, n_count):
+    """dq_order_rotated_turn gives the n_count K blocks of each Q block the turns 0 .. n_count - 1, in the
+    order they reach the Q block when they run in step (step j = (m - n mod M) mod M, ties highest n first),
+    and dq_order_q_block walks each K block over every Q block once, starting at n mod M."""
+    lib = masklib.lib
+    for n in range(n_count):
+        walk = [lib.dq_q_block(i, n, m_count, 1) for i in range(m_count)]
+        assert sorted(walk) == list(range(m_count)) and walk[0] == n % m_count, (n, walk)
+        assert [lib.dq_q_block(i, n, m_count, 0) for i in range(m_count)] == list(range(m_count))
+    for m in range(m_count):
+        turns = [lib.dq_rotated_turn(n, m, n_count, m_count) for n in range(n_count)]
+        order = sorted(range(n_count), key=lambda n: ((m - n % m_count) % m_count, -n))
+        assert [turns[n] for n in order] == list(range(n_count)), (m, turns)
+
+
+@pytest.mark.parametrize("tile", [(64, 128), (64, 64)])
+@pytest.mark.parametrize("sq, sk", [(1000, 1000), (2048, 2048), (300, 1900), (1900, 300), (64, 5000)])
+def test_rotated_dq_order_runs_in_step_without_a_chain(masklib, tile, sq, sk):
+    """Without a mask (every K block touches every Q block), every K block resident, one add per block and
+    per Q block in a step: the rotated order finishes in max(M, NK) steps, the least there can be (each
+    block has M Q blocks to add to, each Q block NK adds to take); the descending order needs M + NK - 1
+    (block n's first add waits for the chain of the blocks above it). With fewer resident blocks than
+    K blocks the rotated order can get stuck (a block waits for one not launched yet): cuflash/fa3.py asks
+    for it only when the K blocks of a head fit on the GPU with room to spare."""
+    left, right = kernel_window(sq, sk, False, (-1, -1))
+    nk, mq = _ceil(sk, tile[1]), _ceil(sq, tile[0])
+    stuck, rounds = run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=nk, rotated=True,
+                                    one_add_per_round=True)
+    assert stuck is None, stuck
+    assert rounds == max(mq, nk), (rounds, mq, nk)
+    stuck, chained = run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=nk,
+                                     one_add_per_round=True)
+    assert stuck is None and chained == mq + nk - 1, (chained, mq, nk)
+    for extra in (0, 3):
+        assert simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=extra, resident=nk + extra,
+                                 rotated=True) is None
+    if nk >= 3 and mq >= 2:
+        assert simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=1,
+                                 rotated=True) is not None
 
 
 @pytest.mark.parametrize("tile", [(64, 128), (64, 64)])  # fa3/bwd.cu, fa3/bwd_wide.cu
@@ -479,3 +551,20 @@ def test_deterministic_dq_order_never_waits_forever(masklib, tile, sq, sk, causa
     if causal and sk >= 2 * tile[1]:
         assert simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=1,
                                  descending=False) is not None
+
+
+def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
+    """cuflash.fa3.bwd_rotates: rotated only without causal or window, and only when the K blocks of a head
+    number at most heuristics.FA3_BWD_ROTATE_SM_FRACTION of the SMs (33 of 132)."""
+    from cuflash import fa3, heuristics
+    from cuflash._validate import Dims
+
+    dims = Dims(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=8, headdim=256, dtype="bfloat16")
+    unbounded = kernel_window(2048, 2048, False, (-1, -1))
+    limit = int(132 * heuristics.FA3_BWD_ROTATE_SM_FRACTION)
+    assert limit == 33
+    assert fa3.bwd_rotates(unbounded, dims, 32, 132) and fa3.bwd_rotates(unbounded, dims, limit, 132)
+    assert not fa3.bwd_rotates(unbounded, dims, limit + 1, 132)
+    assert not fa3.bwd_rotates(kernel_window(2048, 2048, True, (-1, -1)), dims, 32, 132)
+    assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (256, -1)), dims, 32, 132)
+    assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (-1, 0)), dims, 32, 132)

@@ -27,8 +27,11 @@
 //   to run. Descending because a K block walks its Q blocks upwards from the first that sees it: under a
 //   causal mask or a window, K block n + 1 reaches Q block m before K block n does, so in this order no
 //   block waits for one that is behind it. Blocks are launched highest first in this mode, so a block only
-//   ever waits for one launched before it (no deadlock when a head's blocks outnumber the SMs). The
-//   waiting, the add and the wait for its completion are the dQ writer's; the consumers do not stall.
+//   ever waits for one launched before it (no deadlock when a head's blocks outnumber the SMs). Without a
+//   mask every K block would start at Q block 0 and wait for the chain above it: there, when a head's K
+//   blocks all fit on the GPU, they walk their Q blocks rotated instead (p.rotate_q_blocks,
+//   common/dq_order.cuh). The waiting, the add and the wait for its completion are the dQ writer's; the
+//   consumers do not stall while a staging buffer is free.
 //   Variable length (CUFLASH_VARLEN): packed (total, heads, d) inputs, each block finds its sequence through
 //   cu_seqlens (common/seqlen.cuh) and works in that sequence's rows; the padded LSE / D rows of a
 //   sequence start at lse_row0 (cuflash/fa3.py builds them).
@@ -168,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // nested loops kept a head counter live, which ptxas spilled).
         const int steps = group * (m_hi - m_lo);
         for (int i = 0; i < steps; ++i) {
-            const int m = m_lo + i % (m_hi - m_lo), s = i % STAGES;
+            const int m = step_q_block(p, i % (m_hi - m_lo), n_block, m_lo, m_hi), s = i % STAGES;
             // Where this step's dQ tile goes, for the writer, while few registers are live (at the end of
             // the step it made ptxas spill). Slot tile % DQ_TILE_SLOTS: this consumer staged the tile two
             // before this one only once the writer had read that one's slot.

@@ -11,6 +11,7 @@
 // dq_empty[2][DQ_STAGES], and per consumer the staged tiles dq[2][DQ_STAGES][...] (boxes of 64 rows x 32
 // fp32 columns) with their records dq_tile[2][DQ_TILE_SLOTS].
 #pragma once
+#include "common/dq_order.cuh"
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/padded_rows.cuh"
@@ -26,7 +27,8 @@ struct DqTile {
 };
 
 // Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
-// that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order.
+// that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order,
+// or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q block then).
 template <int BM, int BN>
 __device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
                                         int h, int m, int part, int parts) {
@@ -34,7 +36,14 @@ __device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, con
     int n_first, n_end;
     mask.kv_block_range<BM, BN>(m, n_first, n_end);
     tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part;  // (the launcher checks it fits an int)
-    tile.turn = n_end - 1 - n_block;
+    tile.turn = p.rotate_q_blocks
+                    ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + BM - 1) / BM)
+                    : n_end - 1 - n_block;
+}
+
+// The Q block K block n_block visits at step i of its walk over [m_lo, m_hi) (rotated or upwards).
+__device__ __forceinline__ int step_q_block(const Fa3BwdParams& p, int i, int n_block, int m_lo, int m_hi) {
+    return m_lo + dq_order_q_block(i, n_block, m_hi - m_lo, p.rotate_q_blocks);
 }
 
 // This block's sequence: its lengths and, in a packed batch, its first rows.
@@ -71,7 +80,8 @@ __device__ __forceinline__ void init_bwd_barriers(Smem& sm) {
 }
 
 // Producer thread 0: K and V of this block once, then for each query head h of the group and each Q block
-// m in [m_lo, m_hi) the block's Q and dO tiles and its LSE and D rows into ring slot i % STAGES.
+// m in [m_lo, m_hi) (in step_q_block's order) the block's Q and dO tiles and its LSE and D rows into ring
+// slot i % STAGES.
 template <int ATOMS, int BM, int BN, int STAGES, bool VARLEN, class Smem>
 __device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* map_q, const TensorMap* map_k,
                                                      const TensorMap* map_v, const TensorMap* map_do,
@@ -86,8 +96,8 @@ __device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* 
     int i = 0;
     for (int h = kv_head * group; h < (kv_head + 1) * group; ++h) {
 #pragma unroll 1  // (unrolled, the loop needs more than the producer's registers)
-        for (int m = m_lo; m < m_hi; ++m, ++i) {
-            const int s = i % STAGES;
+        for (int step = 0; step < m_hi - m_lo; ++step, ++i) {
+            const int m = step_q_block(p, step, n_block, m_lo, m_hi), s = i % STAGES;
             mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
             mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
             tma_load_atoms<ATOMS>(sm.q[s], BM, map_q, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);

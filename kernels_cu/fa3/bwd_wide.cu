@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(&sm.kv_full, 0);
         const int steps = group * (m_hi - m_lo);  // step i: Q block m of the group's (i / (m_hi - m_lo))-th head
         for (int i = 0; i < steps; ++i) {
-            const int m = m_lo + i % (m_hi - m_lo), s = i % STAGES;
+            const int m = step_q_block(p, i % (m_hi - m_lo), n_block, m_lo, m_hi), s = i % STAGES;
             if (t == 0) {  // where this step's dQ tile goes, for the writer (fa3/bwd.cu: DQ_TILE_SLOTS)
                 const int h = kv_head * group + i / (m_hi - m_lo);
                 DqTile& tile = sm.dq_tile[c][i % DQ_TILE_SLOTS];

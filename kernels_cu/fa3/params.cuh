@@ -41,4 +41,7 @@ struct Fa3BwdParams {
     // of a Q block when the counter says it is its turn (null: adds in any order).
     int* dq_semaphore;
     int highest_first;  // launch the K blocks highest first (deterministic mode must; cuflash/heuristics.py)
+    // Deterministic mode without a mask bounding the rows, every K block of a head resident at once: the
+    // rotated dQ order (common/dq_order.cuh), set by cuflash/fa3.py.
+    int rotate_q_blocks;
 };

@@ -17,6 +17,7 @@
 using std::max;
 using std::min;
 
+#include "dq_order.cuh"
 #include "mask.cuh"
 
 namespace {
@@ -96,5 +97,9 @@ int mask_tile_all_visible(int bm, int bn, int sq, int sk, int left, int right, i
 #undef X
     return -1;
 }
+
+// common/dq_order.cuh: the deterministic FA3 backward's walk over Q blocks and its rotated turn order.
+int dq_q_block(int i, int n, int m_count, int rotated) { return dq_order_q_block(i, n, m_count, rotated != 0); }
+int dq_rotated_turn(int n, int m, int n_count, int m_count) { return dq_order_rotated_turn(n, m, n_count, m_count); }
 
 }  // extern "C"
