@@ -122,6 +122,15 @@ FA3_TILES = {
     192: Fa3Tiles(block_n=64, stages=2),
     256: Fa3Tiles(block_n=64, stages=2),
 }
+# Calls without a mask bounding the rows (not causal, no window) at these head dims take these tiles
+# instead: 176 keys per tile at d = 128, FlashAttention-3's choice there (fewer, longer iterations per
+# tile: the per-iteration row reductions, barriers and waits count less; a partly masked last tile and
+# no room left for the TMA-store O staging, 2 x (176 + 176) x 256 B + Q = 208 KB). S is 88 registers, P
+# 44 and O 64: 240 with no spills under NVRTC 13.0 and 13.5. Causal keeps 128 (more tiles would cross
+# the diagonal). Prediction, d = 128 non-causal: +3-6 % at N = 2k, +1-3 % at N = 8k (A/B not run yet).
+FA3_TILES_UNMASKED = {
+    128: Fa3Tiles(block_n=176, stages=2),
+}
 
 
 # head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:
