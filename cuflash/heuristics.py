@@ -146,13 +146,6 @@ FA3_FP8_TILES = {
 }
 
 
-# FA3 backward (kernels_cu/fa3/bwd.cu): launch the K blocks highest first when the mask bounds the rows from
-# above (causal, a window's right side). There block n's first Q block grows with n, so highest first runs
-# the shortest blocks first; deterministic mode always does (its dQ order needs it) and measured 3-5 %
-# faster than the default at N = 8k causal on the H200 (bench/NOTES.md, session 5). Off until A/B'd:
-# scripts/bwd_order_probe.py.
-FA3_BWD_HIGHEST_FIRST_BOUNDED = False
-
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. Measured on the H200 (scripts/quick_perf.py,

@@ -68,11 +68,10 @@ for stage in "${stages[@]}"; do
     sanitize)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
-      # The tuning probes the notes ask for next, each under a time limit, one log: FA3 backward launch order
-      # and deterministic mode, FA3 forward/backward at d = 128 and 256, FP8 d = 128 with and without the
-      # pingpong, decode 1 x 32k by number of splits.
+      # The tuning probes the notes ask for next, each under a time limit, one log: FA3 forward/backward at
+      # d = 128 and 256 with the deterministic mode, FP8 d = 128 with and without the pingpong, decode
+      # 1 x 32k by number of splits.
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-150} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -12 || status=1; }
-      [ -f scripts/bwd_order_probe.py ] && probe scripts/bwd_order_probe.py --headdims 64,128 --seqlens 2048,8192
       probe scripts/quick_perf.py --impls fa3 --headdims 128,256 --seqlens 2048,8192 --deterministic --reps 10
       probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer
       probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer --tiles 128:128:2:1:0
