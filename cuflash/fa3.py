@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _tma
 from ._interop import dtype_name
-from . import _bwd_aux
+from . import _bwd_aux, heuristics
 from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
