@@ -52,10 +52,21 @@ FP8_TRANSPOSE_PARAMS = np.dtype(
 MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
+def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False) -> heuristics.Fa3Tiles:
+    """The forward's tiles: FA3_FP8_TILES for FP8; else FA3_TILES_UNMASKED where it has the head dim and
+    no mask bounds the rows (``unmasked``), FA3_TILES otherwise."""
+    if fp8:
+        return FA3_FP8_TILES[headdim]
+    if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
+        return heuristics.FA3_TILES_UNMASKED[headdim]
+    return FA3_TILES[headdim]
+
+
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                fp8: bool = False) -> Variant:
-    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16)."""
-    t = (FA3_FP8_TILES if fp8 else FA3_TILES)[headdim]
+                fp8: bool = False, unmasked: bool = False) -> Variant:
+    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16).
+    ``unmasked``: no causal mask or window (fwd_tiles)."""
+    t = fwd_tiles(headdim, fp8, unmasked)
     elem = 1 if fp8 else 2
     padded = -(-headdim * elem // 128) * 128 // elem  # tiles hold whole 128-byte atom rows (d = 96 as 128)
     q_bytes, k_bytes = BLOCK_M * padded * elem, t.block_n * padded * elem
@@ -68,7 +79,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     if store_o_tma:
         smem += o_bytes
     else:
-        smem += 16 + 1024  # the unused 16-byte placeholder, aligned
+        smem += 16  # the unused 16-byte placeholder
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
@@ -126,8 +137,10 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    fwd = [fwd_variant(d, dtype, softcap, varlen, pack) for dtype in DTYPE_CODES for d in HEADDIMS
-           for softcap in (False, True) for varlen, pack in ((False, False), (True, False), (False, True))]
+    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked) for dtype in DTYPE_CODES
+           for d in HEADDIMS for softcap in (False, True)
+           for varlen, pack in ((False, False), (True, False), (False, True))
+           for unmasked in ((False, True) if d in heuristics.FA3_TILES_UNMASKED else (False,))]
     fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
@@ -178,11 +191,12 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     (the next sequence's, weighted by exactly zero), and for the last sequence the rows after
     cu_seqlens_k[-1] if the arrays have any — those must hold finite numbers (0 × NaN is NaN).
     """
-    t = FA3_TILES[dims.headdim]
+    unmasked = window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
+    t = fwd_tiles(dims.headdim, unmasked=unmasked)
     cu_q, cu_k = cu_seqlens or (None, None)
     pack = pack_gqa(dims, cu_q is not None)
     group = dims.heads // dims.kv_heads
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack)
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked)
     map_q = _packed_q_map(q, group) if pack else _tensor_map(q, BLOCK_M)
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, BLOCK_M // 2)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)

@@ -109,12 +109,15 @@ def test_fa3_uses_hopper_hardware(report):
         assert r["opcodes"]["HGMMA"] == 0 and r["opcodes"]["F2FP.SATFINITE.E4M3"] > 0, r["name"]
 
 
-@pytest.mark.parametrize("headdim, softcap, varlen, pack, fp8", [
-    (64, False, False, False, False), (96, False, False, False, False), (128, False, False, False, False),
-    (128, True, False, False, False), (128, False, True, False, False), (128, False, False, True, False),
-    (192, False, False, False, False), (256, False, False, False, False), (256, True, False, True, False),
-    (64, False, False, False, True), (128, False, False, False, True)])
-def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8):
+@pytest.mark.parametrize("headdim, softcap, varlen, pack, fp8, unmasked", [
+    (64, False, False, False, False, False), (96, False, False, False, False, False),
+    (128, False, False, False, False, False), (128, True, False, False, False, False),
+    (128, False, True, False, False, False), (128, False, False, True, False, False),
+    (128, False, False, False, False, True), (128, True, True, False, False, True),
+    (192, False, False, False, False, False), (256, False, False, False, False, False),
+    (256, True, False, True, False, False), (64, False, False, False, True, False),
+    (128, False, False, False, True, False)])
+def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8, unmasked):
     """The FA3 main loop issues S_n = Q K_n^T and O += P_{n-1} V_{n-1}, waits for S_n only
     (WARPGROUP.DEPBAR.LE gsb0, 0x1), computes the softmax (MUFU.EX2) while the P V GEMM runs, and only
     then waits for it (DEPBAR ... 0x0). ptxas is free to hoist that last wait above the exponentials (it
@@ -128,7 +131,7 @@ def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8):
     tool = compile_report.find_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack, fp8), "sm_90a").cubin
+    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack, fp8, unmasked), "sm_90a").cubin
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:

@@ -83,7 +83,8 @@ struct Smem {
     alignas(1024) unsigned char q[Q_BYTES];            // ATOMS atoms of [BM][128 bytes]
     alignas(1024) unsigned char k[STAGES][K_BYTES];    // ATOMS atoms of [BN][128 bytes]
     alignas(1024) unsigned char v[STAGES][V_BYTES];    // as k; FP8: [D][BN keys]
-    alignas(1024) unsigned char o[STORE_O_TMA ? O_BYTES : 16];  // per consumer: O_ATOMS atoms of [64][64]
+    // per consumer: O_ATOMS atoms of [64][64]; without the TMA store a 16-byte placeholder
+    alignas(STORE_O_TMA ? 1024 : 16) unsigned char o[STORE_O_TMA ? O_BYTES : 16];
     u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.

@@ -1,0 +1,60 @@
+"""A/B of the FA3 forward's tiles: the tables in cuflash.heuristics now (176 keys at d = 128 without a
+mask, 80 at d = 256) against the ones before (128 and 64), in one process; times
+``flash_attn_func(impl="fa3")`` causal and not, torch's cuDNN backend beside, bf16, FlashAttention
+benchmark shapes (16k tokens, hidden 2048). Prints TF/s per (d, N, causal).
+
+    python scripts/fa3_tiles_probe.py [--headdims 128,256] [--seqlens 2048,4096,8192,16384] [--reps 20]
+"""
+import argparse
+
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash import fa3, heuristics
+from cuflash.bench import time_fn
+
+
+def main():
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headdims", type=ints, default=[128, 256])
+    parser.add_argument("--seqlens", type=ints, default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    now = (dict(heuristics.FA3_TILES), dict(heuristics.FA3_TILES_UNMASKED))
+    before = ({**now[0], 256: heuristics.Fa3Tiles(block_n=64, stages=2)}, {})
+    rng = np.random.default_rng(0)
+    for d in args.headdims:
+        for n in args.seqlens:
+            b, h = max(1, 16384 // n), 2048 // d
+            q, k, v = (cupy.asarray(rng.standard_normal((b, n, h, d), dtype=np.float32)).astype("bfloat16")
+                       for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                row = {}
+                for name, (tiles, unmasked) in (("before", before), ("now", now)):
+                    heuristics.FA3_TILES.clear()
+                    heuristics.FA3_TILES.update(tiles)
+                    heuristics.FA3_TILES_UNMASKED.clear()
+                    heuristics.FA3_TILES_UNMASKED.update(unmasked)
+                    block_n = fa3.fwd_tiles(d, unmasked=not causal).block_n
+                    ms = time_fn(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 3, args.reps)
+                    row[f"{name} (block_n {block_n})"] = flops / ms / 1e9
+                try:
+                    import torch
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                        ms = time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv,
+                                                                                              is_causal=causal),
+                                     3, args.reps)
+                    row["torch-cudnn"] = flops / ms / 1e9
+                except Exception as exc:  # no torch, or no cuDNN attention on this GPU / build
+                    print(f"(torch-cudnn not timed: {exc})")
+                print(f"d={d:3d} N={n:5d} causal={causal!s:5} " + " | ".join(f"{k} {v:5.0f}" for k, v in row.items()),
+                      flush=True)
+
+if __name__ == "__main__":
+    main()
