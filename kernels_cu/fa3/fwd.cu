@@ -282,14 +282,29 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
                   : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
 }
 
-// FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and K or V
-// tile n's of a KV head.
+// FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and the K or V
+// descale of a KV head's block `block` (of p.kv_descale_tiles K tiles each).
 __device__ __forceinline__ float q_descale(const Fa3FwdParams& p, int batch, int head, int row) {
     return p.q_descale[(i64(batch) * p.heads + head) * p.q_descale_blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
 }
-__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head, int n) {
-    return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + n / p.kv_descale_tiles];
+__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head,
+                                            int block) {
+    return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + block];
 }
+
+// Which K/V descale block K tile n is in, walked a tile at a time as (block, tile within it): the loop
+// then divides nothing (n / p.kv_descale_tiles there cost ~15 of an FP8 iteration's ~560 issue slots).
+struct DescaleCursor {
+    int block, within;
+    __device__ __forceinline__ DescaleCursor(const Fa3FwdParams& p, int n)
+        : block(n / p.kv_descale_tiles), within(n % p.kv_descale_tiles) {}
+    __device__ __forceinline__ void next(const Fa3FwdParams& p) {
+        if (++within == p.kv_descale_tiles) {
+            within = 0;
+            ++block;
+        }
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
@@ -417,8 +432,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         float row_scale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_scale[r] = FP8 ? q_descale(p, tile.batch, qhead[r], qrow[r]) : 1.f;
-        auto k_scale = [&](int n) { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, n) : 1.f; };
-        float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, n_lo) : 1.f;
+        DescaleCursor descale(p, FP8 ? n_lo : 0);  // (unused, and folded away, unless FP8)
+        auto k_scale = [&] { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, descale.block) : 1.f; };
+        float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, descale.block) : 1.f;
         mbar_wait(&sm.q_full, q_iter++ & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet. rescale: O is to be multiplied by
@@ -430,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.k_full[s], (i / STAGES) & 1);
             issue_qk(sc, q_rows, sm.k[s]);
             pass_the_turn(c);
-            const float tile_scale = k_scale(n_lo);
+            const float tile_scale = k_scale();
             wgmma_wait<0>();
             wgmma_fence_regs(sc);
             if (lane == 0) {
@@ -459,10 +475,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 issue_qk(sc, q_rows, sm.k[s]);
             }
             pass_the_turn(c);
-            const float tile_scale = k_scale(n);
+            if constexpr (FP8) descale.next(p);  // K tile n's
+            const float tile_scale = k_scale();
             float v_ratio = 1.f;  // FP8: O moves from V_{n-1}'s descale units to V_n's
             if constexpr (FP8) {
-                const float v_next = kv_descale(p.v_descale, p, tile.batch, kv_head, n);
+                const float v_next = kv_descale(p.v_descale, p, tile.batch, kv_head, descale.block);
                 v_ratio = __fdividef(v_scale, v_next);
                 v_scale = v_next;
             }
