@@ -125,12 +125,16 @@ FA3_TILES = {
     256: Fa3Tiles(block_n=80, stages=2),
 }
 # Calls without a mask bounding the rows (not causal, no window) at these head dims take these tiles
-# instead: 176 keys per tile at d = 128, FlashAttention-3's choice there (fewer, longer iterations per
-# tile: the per-iteration row reductions, barriers and waits count less; a partly masked last tile and
-# no room left for the TMA-store O staging, 2 x (176 + 176) x 256 B + Q = 208 KB). S is 88 registers, P
-# 44 and O 64: 240 with no spills under NVRTC 13.0 and 13.5. Causal keeps 128 (more tiles would cross
-# the diagonal). Prediction, d = 128 non-causal: +3-6 % at N = 2k, +1-3 % at N = 8k (A/B not run yet).
+# instead, FlashAttention-3's widths for non-causal calls (fewer, longer iterations per tile: the
+# per-iteration row reductions, barriers and waits count less; causal keeps 128, where more tiles would
+# cross the diagonal). d = 128: 176 keys, S 88 + P 44 + O 64 registers, no room left for the TMA-store O
+# staging (Q + 2 x (K + V) = 208 KB), a partly masked last tile. d = 64: 192 keys (FlashAttention-3 runs
+# them with three consumer warpgroups; here two), S 96 + P 48 + O 32, 130 KB. No spills under NVRTC 13.0
+# and 13.5. Predictions (A/B not run yet: scripts/fa3_tiles_probe.py), non-causal: d = 128 +3-6 % at
+# N = 2k, +1-3 % at 8k; d = 64 +2-4 % (its exponentials, one MUFU op per score, bound it as much as the
+# GEMMs do, and they do not shrink).
 FA3_TILES_UNMASKED = {
+    64: Fa3Tiles(block_n=192, stages=2),
     128: Fa3Tiles(block_n=176, stages=2),
 }
 

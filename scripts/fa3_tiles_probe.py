@@ -1,9 +1,9 @@
-"""A/B of the FA3 forward's tiles: the tables in cuflash.heuristics now (176 keys at d = 128 without a
-mask, 80 at d = 256) against the ones before (128 and 64), in one process; times
+"""A/B of the FA3 forward's tiles: the tables in cuflash.heuristics now (192 keys at d = 64 and 176 at
+d = 128 without a mask, 80 at d = 256) against the ones before (128, 128 and 64), in one process; times
 ``flash_attn_func(impl="fa3")`` causal and not, torch's cuDNN backend beside, bf16, FlashAttention
 benchmark shapes (16k tokens, hidden 2048). Prints TF/s per (d, N, causal).
 
-    python scripts/fa3_tiles_probe.py [--headdims 128,256] [--seqlens 2048,4096,8192,16384] [--reps 20]
+    python scripts/fa3_tiles_probe.py [--headdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--reps 20]
 """
 import argparse
 
@@ -18,7 +18,7 @@ from cuflash.bench import time_fn
 def main():
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--headdims", type=ints, default=[128, 256])
+    parser.add_argument("--headdims", type=ints, default=[64, 128, 256])
     parser.add_argument("--seqlens", type=ints, default=[2048, 4096, 8192, 16384])
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()

@@ -113,7 +113,7 @@ def test_fa3_uses_hopper_hardware(report):
     (64, False, False, False, False, False), (96, False, False, False, False, False),
     (128, False, False, False, False, False), (128, True, False, False, False, False),
     (128, False, True, False, False, False), (128, False, False, True, False, False),
-    (128, False, False, False, False, True), (128, True, True, False, False, True),
+    (128, False, False, False, False, True), (128, True, True, False, False, True), (64, False, False, False, False, True),
     (192, False, False, False, False, False), (256, False, False, False, False, False),
     (256, True, False, True, False, False), (64, False, False, False, True, False),
     (128, False, False, False, True, False)])
