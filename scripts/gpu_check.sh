@@ -17,7 +17,8 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
 risky=${RISKY:-"tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
-       tests/test_bench_gpu.py tests/test_adapters_gpu.py tests/test_fp8_gpu.py tests/test_fp8_attention_gpu.py"}
+       tests/test_bench_gpu.py tests/test_adapters_gpu.py tests/test_fp8_gpu.py tests/test_fp8_attention_gpu.py
+       tests/test_special_values_gpu.py"}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
