@@ -147,6 +147,16 @@ def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8, u
         f"only {exps} exponentials between the wait for S and the wait for P V: the softmax does not overlap")
 
 
+def test_fa3_variants_fit_in_shared_memory():
+    """Every FA3 variant asks for at most the 227 KB of dynamic shared memory a block may have on sm_90 (the
+    kernels' static_asserts check the other side: that the request holds their Smem), so none fails at
+    launch on the H200 after compiling cleanly here."""
+    from cuflash import fa3
+
+    over = [(v.name, v.smem_bytes) for v in fa3.all_variants() if v.smem_bytes > fa3.MAX_SMEM]
+    assert not over, f"over {fa3.MAX_SMEM} bytes: {over}"
+
+
 def test_fa3_backward_machine_code(report):
     """FA3 backward variants (sm_90a): wgmma for all five products, TMA loads, and the dQ accumulator
     updated by TMA reduce-adds (UTMAREDG), not atomics."""
