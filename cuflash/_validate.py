@@ -27,8 +27,13 @@ class Dims:
     seqlen_k: int
     heads: int
     kv_heads: int
-    headdim: int
+    headdim: int  # of q and k
     dtype: str
+    headdim_v: int | None = None  # of v and out, where it differs from headdim (FA3's forward only)
+
+    @property
+    def dv(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
 
 
 def _shape_str(spec: Spec) -> str:
@@ -79,13 +84,13 @@ def check_qkv(q: Spec, k: Spec, v: Spec, dtypes: tuple = FLOAT16_DTYPES) -> Dims
         if s.dtype != q.dtype:
             raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
     b, sq, h, d = q.shape
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:  # (v's head dim may differ: which impls take that is theirs to say)
         raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
     bk, sk, hk, dk = k.shape
     if bk != b:
         raise ValueError(f"k must have q's batch size {b}; got {bk} (q {_shape_str(q)}, k {_shape_str(k)})")
     if dk != d:
-        raise ValueError(f"k and v must have q's head dim {d}; got {dk}")
+        raise ValueError(f"k must have q's head dim {d}; got {dk}")
     if hk < 1 or h % hk:
         raise ValueError(
             f"the number of query heads ({h}) must be a multiple of the number of KV heads in k/v ({hk})"
@@ -96,9 +101,17 @@ def check_qkv(q: Spec, k: Spec, v: Spec, dtypes: tuple = FLOAT16_DTYPES) -> Dims
         raise ValueError(f"seqlen_q must be at least 1; got q of shape {_shape_str(q)} (empty sequences)")
     if sk < 1:
         raise ValueError(f"seqlen_k must be at least 1; got k of shape {_shape_str(k)} (empty sequences)")
-    dims = Dims(b, sq, sk, h, hk, d, q.dtype)
+    dv = v.shape[3]
+    dims = Dims(b, sq, sk, h, hk, d, q.dtype, None if dv == d else dv)
     check_launch_limits(dims)
     return dims
+
+
+def check_v_headdim_is_q_s(dims: Dims, what: str) -> None:
+    """``what`` (a backward, FP8 attention) needs v's head dim to be q and k's."""
+    if dims.headdim_v is not None:
+        raise ValueError(f"v's head dim {dims.headdim_v} differs from q and k's {dims.headdim}: {what} needs them "
+                         "equal (only the FA3 forward takes a different one: cuflash.fa3.FWD_HEADDIM_V)")
 
 
 def check_like(spec: Spec, ref: Spec, packed: bool = False) -> None:
@@ -187,14 +200,14 @@ def check_varlen(q: Spec, k: Spec, v: Spec, cu_q: Spec, cu_k: Spec, max_seqlen_q
     for s in (k, v):
         if s.dtype != q.dtype:
             raise TypeError(f"{s.name} must have the dtype of q ({q.dtype}); got {s.dtype}")
-    if k.shape != v.shape:
+    if k.shape[:2] != v.shape[:2]:  # (v's head dim may differ: which impls take that is theirs to say)
         raise ValueError(f"k and v must have the same shape; got k {_shape_str(k)} and v {_shape_str(v)}")
     _, h, d = q.shape
     _, hk, dk = k.shape
     if h < 1:
         raise ValueError(f"q must have at least one head; got shape {_shape_str(q)}")
     if dk != d:
-        raise ValueError(f"k and v must have q's head dim {d}; got {dk}")
+        raise ValueError(f"k must have q's head dim {d}; got {dk}")
     if hk < 1 or h % hk:
         raise ValueError(f"the number of query heads ({h}) must be a multiple of the number of KV heads in k/v ({hk})")
     for cu in (cu_q, cu_k):
@@ -210,7 +223,8 @@ def check_varlen(q: Spec, k: Spec, v: Spec, cu_q: Spec, cu_k: Spec, max_seqlen_q
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be an int >= 0; got {value!r}")
-    dims = Dims(cu_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), h, hk, d, q.dtype)
+    dv = v.shape[2]
+    dims = Dims(cu_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), h, hk, d, q.dtype, None if dv == d else dv)
     check_launch_limits(dims)
     return dims
 

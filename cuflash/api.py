@@ -71,8 +71,9 @@ def headdims(family, direction: str) -> tuple[int, ...]:
     return getattr(family, "BWD_HEADDIMS", family.HEADDIMS) if direction == "backward" else family.HEADDIMS
 
 
-def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> str | None:
-    """Why ``family`` cannot run this call (None when it can)."""
+def _supports(family, headdim: int, cc, direction: str, features: set[str], headdim_v: int | None = None) -> str | None:
+    """Why ``family`` cannot run this call (None when it can). ``headdim_v``: v's head dim where it differs
+    from q and k's."""
     supported = family.FWD_FEATURES if direction == "forward" else family.BWD_FEATURES
     if supported is None:
         return f"it has no {direction} kernel yet"
@@ -82,6 +83,12 @@ def _supports(family, headdim: int, cc, direction: str, features: set[str]) -> s
     dims = headdims(family, direction)
     if headdim not in dims:
         return f"head dim {headdim} is not supported (supported: {list(dims)})"
+    if headdim_v is not None:
+        pairs = getattr(family, "FWD_HEADDIM_V", {}) if direction == "forward" else {}
+        if headdim_v not in pairs.get(headdim, ()):
+            have = ", ".join(f"{d}/{dv}" for d, dvs in sorted(pairs.items()) for dv in dvs) or "none"
+            return (f"v's head dim {headdim_v} differs from q and k's {headdim}, which its {direction} does not "
+                    f"support (q-k / v head dims it takes: {have})")
     missing = sorted(features - supported)
     if missing:
         return f"its {direction} does not support {', '.join(missing)}"
@@ -102,7 +109,8 @@ def _backward_impl_for(impl: str, headdim: int, features) -> str:
     return impl
 
 
-def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward", features=frozenset()):
+def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward", features=frozenset(),
+               headdim_v: int | None = None):
     """The kernel family module that runs this call; ValueError saying why when none can."""
     from ._device import compute_capability
 
@@ -112,7 +120,7 @@ def _pick_impl(impl: str, headdim: int, device: int, direction: str = "forward",
     names = IMPL_PREFERENCE[direction] if impl == "auto" else (impl,)
     reasons = {}
     for name in names:
-        reasons[name] = _supports(_FAMILIES[name], headdim, cc, direction, set(features))
+        reasons[name] = _supports(_FAMILIES[name], headdim, cc, direction, set(features), headdim_v)
         if reasons[name] is None:
             return _FAMILIES[name]
     why = "; ".join(f"impl={n!r}: {r}" for n, r in reasons.items())
@@ -181,7 +189,7 @@ def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     features = _features(causal, window_size, softcap, alibi_slopes, deterministic, varlen=cu_seqlens is not None,
                          dropout=dropout)
-    family = _pick_impl(impl, dims.headdim, call.device.id, direction, features)
+    family = _pick_impl(impl, dims.headdim, call.device.id, direction, features, dims.headdim_v)
     return _Plan(scale, window, family, _kernel_options(softcap, alibi, dropout, deterministic, cu_seqlens))
 
 
@@ -191,7 +199,9 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                     descale_block=(128, 128)):
     """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
 
-    Returns ``out`` (like q), or ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
+    Returns ``out`` (like q; with v's head dim where that differs, which FA3's forward takes at the
+    q-k / v head dims ``cuflash.fa3.FWD_HEADDIM_V`` lists, e.g. 192 / 128, and no backward does yet), or
+    ``(out, lse)`` with ``return_lse=True``: lse is the fp32 natural
     log-sum-exp of the scaled scores of each row, shape (batch, heads, seqlen_q), -inf for rows that
     see no key. The result is in the caller's framework and computed on its current stream.
     ``softmax_scale`` defaults to 1/sqrt(headdim). ``softcap > 0`` caps the logits:
@@ -233,7 +243,7 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                      dropout_seed=dropout_seed, dropout_offset=dropout_offset)
 
         qa, ka, va = call.arrays[:3]
-        out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.headdim), dtype=qa.dtype)
+        out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.dv), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
         plan.family.forward(qa, ka, va, out, lse, dims, plan.window, plan.scale, call.stream, **plan.options)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)
@@ -259,6 +269,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
     with Call(arrays) as call:
         qs, ks, vs, os_, dos, lses = call.specs[:6]
         dims = _validate.check_qkv(qs, ks, vs)
+        _validate.check_v_headdim_is_q_s(dims, "the backward")
         _validate.check_like(os_, qs)
         _validate.check_like(dos, qs)
         _validate.check_lse(lses, dims, qs)
@@ -321,7 +332,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                      dropout_seed=dropout_seed, dropout_offset=dropout_offset, cu_seqlens=(cu_q, cu_k))
         # Rows after cu_seqlens_q[-1] belong to no sequence: they stay 0 with LSE -inf.
-        out = cupy.zeros(qa.shape, dtype=qa.dtype)
+        out = cupy.zeros(qa.shape[:2] + (dims.dv,), dtype=qa.dtype)
         lse = cupy.full((dims.heads, qa.shape[0]), -cupy.inf, dtype=cupy.float32)
         if dims.batch and dims.seqlen_q:
             plan.family.forward(qa, ka, va, out, lse, dims, plan.window, plan.scale, call.stream, **plan.options)
@@ -342,6 +353,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         arrays.append(("alibi_slopes", alibi_slopes))
     with Call(arrays) as call:
         dims = _varlen_setup(call, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+        _validate.check_v_headdim_is_q_s(dims, "the backward")
         qs, os_, dos, lses = call.specs[0], call.specs[5], call.specs[6], call.specs[7]
         _validate.check_like(os_, qs, packed=True)
         _validate.check_like(dos, qs, packed=True)

@@ -27,6 +27,10 @@ BWD_FEATURES = frozenset({"causal", "window", "gqa", "softcap", "varlen", "deter
 # dK and dV in registers next to the five products: up to 128 the consumers split the keys (kernels_cu/fa3/
 # bwd.cu), above it the head dim (bwd_wide.cu)
 BWD_HEADDIMS = (64, 96, 128, 192, 256)
+# Forward only, bf16 / fp16: V (and O) with another head dim than Q and K, q/k head dim -> v head dims.
+# DeepSeek-V3's prefill (192 / 128) and the halves of the others; the tiles are Q and K's head dim's, and a
+# narrower O leaves registers to spare. The backward and the other families need v's head dim to be q's.
+FWD_HEADDIM_V = {128: (64,), 192: (128,), 256: (128,)}
 BLOCK_M = 128
 THREADS = 384  # producer + two consumer warpgroups
 FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
@@ -63,18 +67,23 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False) -> heuris
 
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                fp8: bool = False, unmasked: bool = False) -> Variant:
+                fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None) -> Variant:
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16).
-    ``unmasked``: no causal mask or window (fwd_tiles)."""
+    ``unmasked``: no causal mask or window (fwd_tiles). ``headdim_v``: V's (and O's) head dim where it
+    differs from Q and K's (FWD_HEADDIM_V); the tiles are Q and K's head dim's."""
     t = fwd_tiles(headdim, fp8, unmasked)
+    headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
-    padded = -(-headdim * elem // 128) * 128 // elem  # tiles hold whole 128-byte atom rows (d = 96 as 128)
-    q_bytes, k_bytes = BLOCK_M * padded * elem, t.block_n * padded * elem
-    v_bytes = headdim * t.block_n if fp8 else k_bytes  # FP8: a V^T tile of d rows x block_n keys
+
+    def padded(d):  # tiles hold whole 128-byte atom rows (d = 96 as 128)
+        return -(-d * elem // 128) * 128 // elem
+
+    q_bytes, k_bytes = BLOCK_M * padded(headdim) * elem, t.block_n * padded(headdim) * elem
+    v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
     smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
     # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
     # sequence's end fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
-    o_bytes = BLOCK_M * (headdim if fp8 else padded) * 2
+    o_bytes = BLOCK_M * (headdim if fp8 else padded(headdim_v)) * 2
     store_o_tma = not varlen and not pack_gqa and smem + o_bytes <= MAX_SMEM
     if store_o_tma:
         smem += o_bytes
@@ -82,11 +91,12 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         smem += 16  # the unused 16-byte placeholder
     return Variant(
         FAMILY, "fa3/fwd.cu", "fa3_fwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
-         ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
-         ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
-         ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
-         ("CUFLASH_SMEM_BYTES", smem)),
+        (("CUFLASH_HEADDIM", headdim),) + ((("CUFLASH_HEADDIM_V", headdim_v),) if headdim_v != headdim else ())
+        + (("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
+           ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
+           ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
+           ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
+           ("CUFLASH_SMEM_BYTES", smem)),
         threads=THREADS, smem_bytes=smem,
     )
 
@@ -137,8 +147,8 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked) for dtype in DTYPE_CODES
-           for d in HEADDIMS for softcap in (False, True)
+    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked, headdim_v=dv) for dtype in DTYPE_CODES
+           for d in HEADDIMS for dv in (d,) + FWD_HEADDIM_V.get(d, ()) for softcap in (False, True)
            for varlen, pack in ((False, False), (True, False), (False, True))
            for unmasked in ((False, True) if d in heuristics.FA3_TILES_UNMASKED else (False,))]
     fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
@@ -183,7 +193,7 @@ def _tensor_map(a, rows_per_box: int):
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0,
             cu_seqlens=None) -> None:
-    """Launch the forward on ``stream``: writes ``out`` (like q) and ``lse`` ((batch, heads, seqlen_q), or
+    """Launch the forward on ``stream``: writes ``out`` (like q, with v's head dim) and ``lse`` ((batch, heads, seqlen_q), or
     (heads, total_q) for packed variable-length inputs: ``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k) and
     ``dims`` carrying the longest lengths).
 
@@ -196,7 +206,8 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     cu_q, cu_k = cu_seqlens or (None, None)
     pack = pack_gqa(dims, cu_q is not None)
     group = dims.heads // dims.kv_heads
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked)
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked,
+                          headdim_v=dims.headdim_v)
     map_q = _packed_q_map(q, group) if pack else _tensor_map(q, BLOCK_M)
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, BLOCK_M // 2)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)

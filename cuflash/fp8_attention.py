@@ -165,6 +165,7 @@ def forward(q, k, v, *, q_descale, k_descale, v_descale, fp8_format, descale_blo
         qkv = [spec["q"], spec["k"], spec["v"]]
         _check_fp8_inputs(qkv, fmt, fp8_format, [n for n, _ in given])
         dims = _validate.check_qkv(*qkv, dtypes=_validate.FP8_DTYPES)
+        _validate.check_v_headdim_is_q_s(dims, "FP8 attention")
         if dims.headdim not in fa3.FP8_HEADDIMS:
             raise ValueError(f"head dim {dims.headdim} is not supported with FP8 inputs (supported: "
                              f"{list(fa3.FP8_HEADDIMS)})")

@@ -174,7 +174,7 @@ def _forward(q, k, v, opts: _Options):
         return _api.flash_attn_func(q, k, v, causal=opts.causal, softmax_scale=opts.softmax_scale,
                                     window_size=opts.window_size, return_lse=True, impl=opts.impl)
     batch, seqlen_q, heads, _ = q.shape
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    results = (jax.ShapeDtypeStruct((batch, seqlen_q, heads, v.shape[-1]), q.dtype),
                jax.ShapeDtypeStruct((batch, heads, seqlen_q), jnp.float32))
     out, lse = _callback("forward", opts, results)(q, k, v)
     return out, lse

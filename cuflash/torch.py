@@ -356,8 +356,8 @@ def _register_flash_attn() -> None:
     @flash_attn_fwd.register_fake
     def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, impl,
                   deterministic, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
-        batch, seqlen_q, heads, headdim = q.shape
-        out = q.new_empty((batch, seqlen_q, heads, headdim))
+        batch, seqlen_q, heads, _ = q.shape
+        out = q.new_empty((batch, seqlen_q, heads, v.shape[-1]))  # (v's head dim: FA3's forward may differ)
         lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
         return out, lse
 
@@ -420,8 +420,8 @@ def _register_flash_attn_varlen() -> None:
     def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                          window_left, window_right, softcap, alibi_slopes, impl, deterministic, validate,
                          dropout_p=0.0, dropout_seed=None, dropout_offset=0):
-        total_q, heads, headdim = q.shape
-        out = q.new_empty((total_q, heads, headdim))
+        total_q, heads, _ = q.shape
+        out = q.new_empty((total_q, heads, v.shape[-1]))
         lse = q.new_empty((heads, total_q), dtype=torch.float32)
         return out, lse
 

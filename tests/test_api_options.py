@@ -43,3 +43,25 @@ def test_no_options_when_unused(recorded):
     api.flash_attn_func(a["q"], a["k"], a["v"], impl="fa1")
     (_, _, kwargs), = recorded
     assert kwargs == {}
+
+
+def test_v_head_dim_other_than_q_s_goes_to_fa3_forward(spec_env, monkeypatch):  # noqa: F811
+    """v of head dim 128 beside q and k of 192 (fa3.FWD_HEADDIM_V): impl="auto" picks FA3's forward, which
+    gets Dims with headdim_v set and an out of v's head dim (fixed-length and packed)."""
+    from cuflash import fa3
+    from test_bad_input_table import spec, varlen_arrays
+
+    import sys
+
+    cupy = sys.modules["cupy"]  # spec_env's stand-in: what the call allocates shows in its call records
+    seen = []
+    monkeypatch.setattr(fa3, "forward", lambda q, k, v, out, lse, dims, *rest, **kw: seen.append(dims))
+    a = arrays(d=192, v=spec((2, 80, 2, 128)))
+    api.flash_attn_func(a["q"], a["k"], a["v"])
+    assert cupy.empty.call_args_list[0].args[0] == (2, 64, 8, 128)  # out: (batch, seqlen_q, heads, v's d)
+    va = varlen_arrays(d=192, v=spec((80, 2, 128)))
+    api.flash_attn_varlen_func(va["q"], va["k"], va["v"], va["cu_seqlens_q"], va["cu_seqlens_k"], va["max_seqlen_q"],
+                               va["max_seqlen_k"])
+    assert cupy.zeros.call_args_list[-1].args[0] == (64, 8, 128)  # packed out: (total_q, heads, v's d)
+    fixed, packed = seen
+    assert fixed.headdim == packed.headdim == 192 and fixed.headdim_v == packed.headdim_v == fixed.dv == 128

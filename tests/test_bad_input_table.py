@@ -198,8 +198,19 @@ both("k", "batch_mismatch", ValueError, ["k must have q's batch size 2", "got 3"
 both("v", "shape_differs_from_k", ValueError, ["k and v must have the same shape", "(2, 81, 2, 64)"],
      arrs=arrays(v=spec((B, SK + 1, HKV, D))))
 both("v", "heads_differ_from_k", ValueError, ["k and v must have the same shape"], arrs=arrays(v=spec((B, SK, 4, D))))
-both("k", "headdim_mismatch", ValueError, ["k and v must have q's head dim 64", "got 128"],
+both("k", "headdim_mismatch", ValueError, ["k must have q's head dim 64", "got 128"],
      arrs=arrays(k=spec((B, SK, HKV, 128)), v=spec((B, SK, HKV, 128))))
+# v's head dim may differ from q and k's only in FA3's forward, at the pairs fa3.FWD_HEADDIM_V lists
+for _impl in ("fa1", "fa2"):
+    add("flash_attn_func", "v", f"headdim_differs_{_impl}", ValueError,
+        [f"impl={_impl!r}", "v's head dim 64 differs from q and k's 128", "q-k / v head dims it takes: none"],
+        arrs=arrays(d=128, v=spec((B, SK, HKV, 64))), impl=_impl)
+add("flash_attn_func", "v", "headdim_pair_fa3_lacks", ValueError,
+    ["impl='fa3'", "v's head dim 128 differs from q and k's 64", "128/64, 192/128, 256/128"],
+    arrs=arrays(v=spec((B, SK, HKV, 128))), impl="fa3")
+add("flash_attn_backward", "v", "headdim_differs", ValueError,
+    ["v's head dim 128 differs from q and k's 192", "the backward needs them equal"],
+    arrs=arrays(d=192, v=spec((B, SK, HKV, 128)), out=spec((B, SQ, H, 128))))
 both("k", "heads_not_divisible", ValueError, ["query heads (8)", "multiple", "KV heads in k/v (3)"],
      arrs=arrays(hkv=3))
 both("k", "more_kv_heads_than_heads", ValueError, ["query heads (8)", "KV heads in k/v (16)"], arrs=arrays(hkv=16))
@@ -419,8 +430,14 @@ packed("v", "rows_differ_from_k", ValueError, ["k and v must have the same shape
        arrs=varlen_arrays(v=spec((TK + 1, HKV, D))))
 packed("v", "heads_differ_from_k", ValueError, ["k and v must have the same shape", "(80, 4, 64)"],
        arrs=varlen_arrays(v=spec((TK, 4, D))))
-packed("k", "headdim_mismatch", ValueError, ["k and v must have q's head dim 64", "got 128"],
+packed("k", "headdim_mismatch", ValueError, ["k must have q's head dim 64", "got 128"],
        arrs=varlen_arrays(k=spec((TK, HKV, 128)), v=spec((TK, HKV, 128))))
+add("flash_attn_varlen_func", "v", "headdim_differs_fa2", ValueError,
+    ["impl='fa2'", "v's head dim 64 differs from q and k's 128"],
+    arrs=varlen_arrays(d=128, v=spec((TK, HKV, 64))), impl="fa2")
+add("flash_attn_varlen_backward", "v", "headdim_differs", ValueError,
+    ["v's head dim 128 differs from q and k's 192", "the backward needs them equal"],
+    arrs=varlen_arrays(d=192, v=spec((TK, HKV, 128)), out=spec((TQ, H, 128))))
 packed("k", "heads_not_divisible", ValueError, ["query heads (8)", "multiple", "KV heads in k/v (3)"],
        arrs=varlen_arrays(hkv=3))
 packed("k", "more_kv_heads_than_heads", ValueError, ["query heads (8)", "KV heads in k/v (16)"],

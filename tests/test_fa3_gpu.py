@@ -7,6 +7,7 @@ import pytest
 
 import cuflash
 from cuflash import fa3
+from cuflash import reference as ref
 from gpu_checks import check_backward, check_forward, check_varlen_backward, check_varlen_forward, varlen_batch
 from gpu_checks import inputs as _inputs
 
@@ -268,3 +269,32 @@ def test_backward_lse_view_not_16_byte_aligned(poison_allocations):
     _, dk_a, dv_a = cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=True, impl="fa3")
     _, dk_b, dv_b = cuflash.flash_attn_backward(dout, q, k, v, out, shifted, causal=True, impl="fa3")
     assert bool((dk_a.view("uint16") == dk_b.view("uint16")).all()) and bool((dv_a.view("uint16") == dv_b.view("uint16")).all())
+
+
+@pytest.mark.parametrize("dims", sorted((d, dv) for d, dvs in fa3.FWD_HEADDIM_V.items() for dv in dvs))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_forward_v_head_dim_differs(poison_allocations, dims, causal, dtype):
+    """V (and O) of another head dim than Q and K (fa3.FWD_HEADDIM_V: DeepSeek-V3's 192 / 128 and the
+    halves), fixed-length with GQA and odd lengths, then packed with an empty sequence; impl="auto" picks
+    FA3 for them."""
+    import cupy
+
+    d, dv = dims
+    rng = np.random.default_rng()
+    q, k, _ = _inputs(rng, 2, 239, 113, 6, 2, d, dtype)
+    v = cupy.asarray(rng.standard_normal((2, 113, 2, dv), dtype=np.float32)).astype(dtype)
+    out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (2, 239, 6, dv) and out.dtype == q.dtype
+    o_ref, lse_ref = ref.attention_ref(q, k, v, causal=causal)
+    o_low, _ = ref.attention_ref_lowp(q, k, v, causal=causal)
+    ref.check_close("out", out, o_ref, o_low)
+    ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+
+    lens_q, lens_k = [37, 0, 130], [64, 9, 0]
+    qp, kp, _, cu_q, cu_k, hq, hk = varlen_batch(rng, lens_q, lens_k, 6, 2, d, dtype)
+    vp = cupy.asarray(rng.standard_normal((kp.shape[0], 2, dv), dtype=np.float32)).astype(dtype)
+    out, lse = cuflash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                              return_lse=True, impl="fa3")
+    assert out.shape == (qp.shape[0], 6, dv)
+    check_varlen_forward(out, lse, qp, kp, vp, hq, hk, causal=causal)

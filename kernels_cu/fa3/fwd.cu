@@ -23,7 +23,8 @@
 // V's (per V block) is kept out of the accumulation by holding O in units of the current tile's V descale
 // (O *= alpha vs_{n-1} / vs_n at each rescale) and applying the last one with 1 / l. O is bf16.
 //
-// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_BLOCK_N,
+// Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_HEADDIM_V (of V
+// and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N,
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
 // CUFLASH_PINGPONG (0/1).
@@ -34,15 +35,21 @@
 #include "common/tile_scheduler.cuh"
 #include "fa3/params.cuh"
 
-constexpr int D = CUFLASH_HEADDIM;
+constexpr int D = CUFLASH_HEADDIM;  // of Q and K
+#ifndef CUFLASH_HEADDIM_V
+#define CUFLASH_HEADDIM_V CUFLASH_HEADDIM
+#endif
+constexpr int DV = CUFLASH_HEADDIM_V;  // of V and O (d_v; d_qk unless the launcher asks otherwise)
 constexpr bool FP8 = CUFLASH_FP8;
 constexpr int ELEM_BYTES = FP8 ? 1 : 2;         // of Q, K, V
 constexpr int ATOM_COLS = 128 / ELEM_BYTES;     // elements per 128-byte atom row
 // Tiles hold whole atoms: d = 96 (bf16) is stored as 128 columns whose last 32 TMA fills with zeros (the
 // tensor map's row is 96 wide), d = 64 (FP8) as 128. S = Q K^T runs over the d real columns only; in
-// bf16, O += P V runs at N = DP and the extra output columns (zeros) are not stored.
+// bf16, O += P V runs at N = DVP (d_v padded the same way) and the extra output columns (zeros) are not
+// stored.
 constexpr int DP = (D + ATOM_COLS - 1) / ATOM_COLS * ATOM_COLS;
-constexpr int OD = FP8 ? D : DP;                // columns of the O accumulator (FP8: N = d of V^T's rows)
+constexpr int DVP = (DV + ATOM_COLS - 1) / ATOM_COLS * ATOM_COLS;
+constexpr int OD = FP8 ? D : DVP;               // columns of the O accumulator (FP8: N = d of V^T's rows)
 constexpr int BM = 128;  // two consumer warpgroups x 64 rows
 constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
@@ -62,12 +69,14 @@ constexpr bool PACK_GQA = CUFLASH_PACK_GQA;
 static_assert(!(PACK_GQA && (VARLEN || STORE_O_TMA)), "GQA packing: fixed-length batches, O from registers");
 static_assert(!(FP8 && (SOFTCAP || VARLEN || PACK_GQA)), "FP8: fixed-length batches, no softcap");
 static_assert(!FP8 || BN == 128, "FP8: a V^T tile row is exactly one 128-byte atom of keys");
+static_assert(!FP8 || DV == D, "FP8: V has the head dim of Q and K");
 constexpr int ATOMS = DP / ATOM_COLS;  // atoms per row of a Q or K tile
+constexpr int V_ATOMS = DVP / ATOM_COLS;  // of a V tile (bf16 / fp16)
 constexpr int O_ATOMS = OD / 64;       // 64-column atoms of the 16-bit O staged for the TMA store
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int Q_BYTES = BM * DP * ELEM_BYTES, K_BYTES = BN * DP * ELEM_BYTES;
-constexpr int V_BYTES = FP8 ? D * BN : K_BYTES;  // FP8: a V^T tile, d rows of BN keys
+constexpr int V_BYTES = FP8 ? D * BN : BN * DVP * ELEM_BYTES;  // FP8: a V^T tile, d rows of BN keys
 constexpr int O_BYTES = BM * OD * 2;
 constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
 // Within a warpgroup, S_n = Q K_n^T runs while P_{n-1} V_{n-1} does, which keeps S, P_{n-1} and O in
@@ -124,7 +133,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[OD / 2], const u32 (&pv_a)[P
 #if CUFLASH_FP8  // (the preprocessor: the other branch's operand shapes do not exist in this variant)
         wgmma_rs_fp8<OD>(o, pv_a[kk], wgmma_desc_advance(wgmma_desc(v), 32 * kk), 1);
 #else
-        wgmma_rs<DP, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+        wgmma_rs<OD, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
 #endif
     }
     wgmma_commit();
@@ -225,7 +234,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
         const float inv = l > 0.f ? o_scale / l : 0.f;
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride + 2 * q4;
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j)
+        for (int j = 0; j < DV / 8; ++j)
             *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         if (q4 == 0)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
@@ -384,7 +393,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 if constexpr (FP8)  // V^T map (keys, d, kv_heads, batch): one box of BN keys x D rows
                     tma_load_4d(sm.v[s], &map_v, &sm.v_full[s], n * BN, 0, kv_head, tile.batch);
                 else
-                    tma_load_atoms<ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                    tma_load_atoms<V_ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
             }
         }
         return;
