@@ -137,7 +137,6 @@ FA3_FP8_TILES = {
 }
 
 
-
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
 # (head dim, direction, features): the fastest first. Measured on the H200 (scripts/quick_perf.py,
 # bf16, 16k tokens, N = 2k-8k): forward FA3 334-754 TF/s > FA2 250-330 > FA1 55-147; backward FA3 (d = 64,

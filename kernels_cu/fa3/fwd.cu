@@ -471,8 +471,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
                                    row_scale, tile_scale);
             // K_n's slot is released after the exponentials, not right after S_n: this branch ends the block
-            // that holds them, so ptxas cannot hoist the wait for P V below above them (in one block it
-            // does, which serialises the loop; tests/test_compile.py checks the SASS).
+            // that holds them, so ptxas cannot hoist the wait for P V (below) above them; in one block it
+            // does, which serialises the loop (tests/test_compile.py checks the SASS).
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
                 if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
