@@ -197,20 +197,23 @@ DECODE_MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 tiles (256 keys): i
 def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, block_n: int, num_sms: int,
                       paged: bool = False) -> int:
     """KV splits for a decode call (num_splits=0). Flash-Decoding: when batch x kv_heads x m_blocks thread
-    blocks cannot fill the GPU, split each entry's keys so that about two blocks per SM stream K/V (two
-    blocks' stages in flight per SM, not one); never split below DECODE_MIN_TILES_PER_SPLIT tiles, and
-    not at all when the unsplit grid already covers 80 % of the SMs (a partial wave costs less than the
-    extra pass of the combine) -- except for a paged cache (``paged``) whose unsplit grid is about one
-    block per SM: there one block cannot hide the page-table loads that address its next tile, and two
-    splits give each SM a second block (H200, 16 x 8k, page size 1: 148 -> 132 µs; a contiguous cache
-    there is 123 µs unsplit and 129 with two splits). ``max_keys``: the longest entry's key count (or
-    the cache capacity when the lengths are not known on the host)."""
+    blocks cannot fill the GPU, split each entry's keys: a contiguous cache into one wave of one block per
+    SM (H200, 1 x 32k, 8 KV heads, d = 128: 16 splits 39.7 µs, 12 40.0, 24 44.0, 33 43.0 -- one block per SM
+    keeps its 3 stages in flight and the HBM busy, and fewer splits shorten the combine, 4.4 µs at 16
+    against 6.4 at 33); a paged cache into about two blocks per SM (a block's page-table loads for its next
+    tile stall it; the same shape with page size 1: 33 splits 44.7 µs, 24 46.0, 16 46.8). Never split below
+    DECODE_MIN_TILES_PER_SPLIT tiles, and not at all when the unsplit grid already covers 80 % of the SMs
+    (a partial wave costs less than the extra pass of the combine) -- except for a paged cache whose
+    unsplit grid is about one block per SM: there two splits give each SM a second block (H200, 16 x 8k,
+    page size 1: 148 -> 132 µs; a contiguous cache there is 123 µs unsplit and 129 with two splits).
+    ``max_keys``: the longest entry's key count (or the cache capacity when the lengths are not known on
+    the host)."""
     blocks = batch * kv_heads * m_blocks
     tiles = -(-max_keys // block_n)
     if blocks >= 0.8 * num_sms:
         one_wave = blocks <= num_sms
         return 2 if paged and one_wave and tiles >= 2 * DECODE_MIN_TILES_PER_SPLIT else 1
-    want = -(-2 * num_sms // blocks)
+    want = -(-2 * num_sms // blocks) if paged else num_sms // blocks
     return max(1, min(want, tiles // DECODE_MIN_TILES_PER_SPLIT, DECODE_MAX_SPLITS))
 
 

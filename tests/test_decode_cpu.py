@@ -677,8 +677,10 @@ def test_append_with_cache_batch_idx_writes_the_named_rows():
 def test_split_heuristic():
     f = heuristics.decode_num_splits
     assert f(64, 8, 1, 8192, 64, 132) == 1  # 512 blocks fill 132 SMs
-    assert f(1, 8, 1, 32768, 64, 132) == 33  # 8 blocks -> 264 = 2 per SM
-    assert f(1, 1, 1, 1 << 20, 64, 132) == heuristics.DECODE_MAX_SPLITS  # capped
+    assert f(1, 8, 1, 32768, 64, 132) == 16  # contiguous: 8 blocks -> 128, one per SM, no second wave
+    assert f(5, 8, 1, 32768, 64, 132) == 3  # 40 blocks -> 120 (4 splits would be 160: 28 SMs with two)
+    assert f(1, 1, 1, 1 << 20, 64, 132) == heuristics.DECODE_MAX_SPLITS  # 132 wanted (one per SM): capped
+    assert f(1, 1, 1, 1 << 20, 64, 100) == 100  # one per SM of a smaller GPU
     assert f(1, 8, 1, 200, 64, 132) == 1  # 4 tiles: not worth a split
     assert f(1, 8, 1, 64 * 8, 64, 132) == 2  # 8 tiles: at least 4 per split
     # Paged caches: a grid of about one block per SM gets a second split (the page-table loads of one block
@@ -686,7 +688,7 @@ def test_split_heuristic():
     assert f(16, 8, 1, 8192, 64, 132, paged=True) == 2 and f(16, 8, 1, 8192, 64, 132) == 1  # 128 blocks
     assert f(32, 8, 1, 8192, 64, 132, paged=True) == 1  # 256 blocks: two waves' worth already
     assert f(16, 8, 1, 7 * 64, 64, 132, paged=True) == 1  # 7 tiles: no split of fewer than 4
-    assert f(1, 8, 1, 32768, 64, 132, paged=True) == 33  # small grids: as contiguous
+    assert f(1, 8, 1, 32768, 64, 132, paged=True) == 33  # small grids: about two blocks per SM
     for paged in (False, True):
         for batch in (1, 2, 4, 16, 30, 33, 100):
             previous = None
