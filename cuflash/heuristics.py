@@ -112,30 +112,30 @@ class Fa3Tiles:
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per
-# thread) next to O (d / 2) and P_{n-1} (block_n / 4, packed): block_n = 128 up to d = 128, 64 at
-# d = 192 (O alone is 96-128 registers), 80 at d = 256 (FlashAttention-3's choice: S 40 + P 20 + O 128
-# registers, no spills under NVRTC 13.0 and 13.5; 20 % fewer iterations than 64; not yet A/B'd on the
-# H200). Two stages: Q + 2 x (K + V) is 80 KB at d = 64, 160 KB at d = 96 (stored as 128) and 128, 144 KB
-# at d = 192, 224 KB at d = 256 (of 227 KB: no room for the TMA-store O staging there either way).
+# thread) next to O (d / 2) and P_{n-1} (block_n / 4, packed): block_n = 128 up to d = 128, 64 at d = 192
+# and 256 (O alone is 96-128 registers). Two stages: Q + 2 x (K + V) is 80 KB at d = 64, 160 KB at d = 96
+# (stored as 128) and 128, 144 KB at d = 192, 192 KB at d = 256.
 FA3_TILES = {
     64: Fa3Tiles(block_n=128, stages=2),
     96: Fa3Tiles(block_n=128, stages=2),
     128: Fa3Tiles(block_n=128, stages=2),
     192: Fa3Tiles(block_n=64, stages=2),
-    256: Fa3Tiles(block_n=80, stages=2),
+    256: Fa3Tiles(block_n=64, stages=2),
 }
 # Calls without a mask bounding the rows (not causal, no window) at these head dims take these tiles
-# instead, FlashAttention-3's widths for non-causal calls (fewer, longer iterations per tile: the
-# per-iteration row reductions, barriers and waits count less; causal keeps 128, where more tiles would
-# cross the diagonal). d = 128: 176 keys, S 88 + P 44 + O 64 registers, no room left for the TMA-store O
-# staging (Q + 2 x (K + V) = 208 KB), a partly masked last tile. d = 64: 192 keys (FlashAttention-3 runs
-# them with three consumer warpgroups; here two), S 96 + P 48 + O 32, 130 KB. No spills under NVRTC 13.0
-# and 13.5. Predictions (A/B not run yet: scripts/fa3_tiles_probe.py), non-causal: d = 128 +3-6 % at
-# N = 2k, +1-3 % at 8k; d = 64 +2-4 % (its exponentials, one MUFU op per score, bound it as much as the
-# GEMMs do, and they do not shrink).
+# instead: fewer, longer iterations per tile, so the per-iteration row reductions, barriers and waits count
+# less (causal keeps the narrower ones: more of its tiles cross the diagonal). d = 64: 192 keys
+# (FlashAttention-3 runs them with three consumer warpgroups; here two), S 96 + P 48 + O 32 registers,
+# 130 KB. d = 256: 80 keys (FlashAttention-3's width), S 40 + P 20 + O 128 registers, 224 KB (of 227: no
+# room for the TMA-store O staging). No spills under NVRTC 13.0 and 13.5. Measured on the H200
+# (scripts/fa3_tiles_probe.py, TF/s, against the FA3_TILES row in the same process): d = 64 N = 2k 406 ->
+# 421, 8k 441 -> 450; d = 256 2k 645 -> 661, 8k 760 -> 781. Causal with 80 keys at d = 256 measured
+# 493 -> 487 (2k), 701 -> 698 (8k), so it keeps 64. Tried and rejected: 176 keys at d = 128 (FlashAttention-3's
+# width there), 609 -> 573 at 2k and 679 -> 670 at 8k (no room left for the O staging, and a partly masked
+# last tile).
 FA3_TILES_UNMASKED = {
     64: Fa3Tiles(block_n=192, stages=2),
-    128: Fa3Tiles(block_n=176, stages=2),
+    256: Fa3Tiles(block_n=80, stages=2),
 }
 
 
@@ -155,10 +155,11 @@ FA3_FP8_TILES = {
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a
 # head's K blocks number at most this fraction of the SMs. Its blocks may wait for blocks of their head
 # launched after them, so all of a head's must be resident together; the fraction leaves the rest for
-# kernels running beside the backward (NCCL's hold SMs for the whole of a step). At 132 SMs: up to 33 K
-# blocks, N <= 2k at d = 192 / 256 (64 keys per block), N <= 4k below (128), where the descending order's
-# chain costs most (d = 256, N = 2k: deterministic 0.70 of the default).
-FA3_BWD_ROTATE_SM_FRACTION = 0.25
+# kernels running beside the backward (NCCL's hold SMs for the whole of a step, typically up to 32). At
+# 132 SMs: up to 66 K blocks, N <= 4k at d = 192 / 256 (64 keys per block), N <= 8k below (128). Measured
+# on the H200 (deterministic / default TF/s, not causal): d = 256 N = 2k 0.70 -> 0.85, 4k 0.70 -> 0.84
+# (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
+FA3_BWD_ROTATE_SM_FRACTION = 0.5
 
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call
