@@ -555,14 +555,14 @@ def test_deterministic_dq_order_never_waits_forever(masklib, tile, sq, sk, causa
 
 def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
     """cuflash.fa3.bwd_rotates: rotated only without causal or window, and only when the K blocks of a head
-    number at most heuristics.FA3_BWD_ROTATE_SM_FRACTION of the SMs (33 of 132)."""
+    number at most heuristics.FA3_BWD_ROTATE_SM_FRACTION of the SMs (66 of 132)."""
     from cuflash import fa3, heuristics
     from cuflash._validate import Dims
 
     dims = Dims(batch=2, seqlen_q=2048, seqlen_k=2048, heads=8, kv_heads=8, headdim=256, dtype="bfloat16")
     unbounded = kernel_window(2048, 2048, False, (-1, -1))
     limit = int(132 * heuristics.FA3_BWD_ROTATE_SM_FRACTION)
-    assert limit == 33
+    assert limit == 66
     assert fa3.bwd_rotates(unbounded, dims, 32, 132) and fa3.bwd_rotates(unbounded, dims, limit, 132)
     assert not fa3.bwd_rotates(unbounded, dims, limit + 1, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, True, (-1, -1)), dims, 32, 132)
