@@ -32,20 +32,23 @@ __device__ __forceinline__ int l2_section_heads(i64 kv_bytes_per_head) {
     return section;
 }
 
+// Tile indices are ints: a tile has at least one query row of d >= 64 elements per head, so 2^31 tiles
+// would be a Q of 2^37 elements, more than a GPU holds (and ints keep the persistent loop's state small:
+// the FP8 d = 256 consumer has no register to spare).
 struct TileScheduler {
     int m_blocks, heads, batch, section;
-    i64 round_start;  // the first tile of the current round
-    i64 index;        // this block's current tile (linear)
+    int round_start;  // the first tile of the current round
+    int index;        // this block's current tile (linear)
 
     bool serpentine;  // one section: odd rounds run backwards
 
     __device__ __forceinline__ TileScheduler(int m_blocks_, int heads_, int batch_, int section_)
         : m_blocks(m_blocks_), heads(heads_), batch(batch_), section(section_), round_start(0), index(blockIdx.x),
-          serpentine(i64(section_) >= i64(heads_) * batch_) {}
+          serpentine(section_ >= heads_ * batch_) {}
 
     // Every round is a permutation of its gridDim.x tiles, so stopping at the first index past the end
     // covers each tile once (in a last, partial odd round the low blocks are the ones left out).
-    __device__ __forceinline__ bool valid() const { return index < i64(m_blocks) * heads * batch; }
+    __device__ __forceinline__ bool valid() const { return index < m_blocks * heads * batch; }
     __device__ __forceinline__ void advance() {
         const bool backwards = serpentine && ((round_start / gridDim.x) & 1) == 0;  // the next round is odd
         round_start += gridDim.x;
@@ -53,11 +56,11 @@ struct TileScheduler {
     }
 
     __device__ __forceinline__ Tile tile() const {
-        const i64 pairs = i64(heads) * batch, per_section = i64(section) * m_blocks;
-        const i64 first_pair = index / per_section * section;  // the section's first (head, batch) pair
-        const int width = int(min(i64(section), pairs - first_pair));  // the last section may be narrower
-        const i64 rest = index - first_pair * m_blocks;  // tile within the section
-        const i64 pair = first_pair + rest % width;
-        return Tile{m_blocks - 1 - int(rest / width), int(pair % heads), int(pair / heads)};
+        const int pairs = heads * batch, per_section = section * m_blocks;
+        const int first_pair = index / per_section * section;  // the section's first (head, batch) pair
+        const int width = min(section, pairs - first_pair);  // the last section may be narrower
+        const int rest = index - first_pair * m_blocks;  // tile within the section
+        const int pair = first_pair + rest % width;
+        return Tile{m_blocks - 1 - rest / width, pair % heads, pair / heads};
     }
 };

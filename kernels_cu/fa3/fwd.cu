@@ -21,7 +21,12 @@
 // the S accumulator to 8-bit A fragments without shuffles (acc_to_a_frags_fp8). Descale factors: a query
 // row's (per Q block) and a K tile's (per K block) multiply S into logits (one factor per row and tile);
 // V's (per V block) is kept out of the accumulation by holding O in units of the current tile's V descale
-// (O *= alpha vs_{n-1} / vs_n at each rescale) and applying the last one with 1 / l. O is bf16.
+// (O *= alpha vs_{n-1} / vs_n at each rescale) and applying the last one with 1 / l. O is bf16. FP8 wgmma
+// keeps only about 14 bits of its accumulator when it adds products to it (the DeepSeek-V3 report measured
+// this on Hopper), so O carried through thousands of P V GEMMs decays: a key holding most of a row's weight
+// early in 4M keys lost three quarters of it. Each tile's P V therefore goes into a fresh accumulator that
+// is added to O in fp32 (O = O alpha + P V, one FFMA an element, which is the rescale O needed anyway; at
+// d = 256, without the overlap, O is rescaled and the parts of P V added).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_HEADDIM_V (of V
 // and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N,
@@ -85,6 +90,10 @@ constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
 // pingpong overlaps the softmax with GEMMs.
 constexpr bool INTRA_WG_OVERLAP = CUFLASH_INTRA_WG_OVERLAP;
 constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
+// FP8: the fresh per-tile P V accumulator (see the top comment) has all of O's columns with the overlap
+// (S, P, O and P V fit: 64 + 16 + 64 + 64 registers at d = 128); without it (d = 256) it is S's registers,
+// idle then, taking BN of O's columns at a time.
+static_assert(!FP8 || INTRA_WG_OVERLAP || OD % BN == 0, "FP8 without the overlap: P V in parts of BN columns");
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
 
@@ -123,20 +132,46 @@ __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned cha
     wgmma_abt_kmajor<BN, QK_STEPS, FP8>(sc, q_rows, BM * 128, k, BN * 128);
 }
 
-// O += P V for one V tile (asynchronous; one commit group): P from registers. bf16: 16 keys per step, V
-// [BN][D] read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step. FP8: 32
-// keys per step, V^T [D][BN] read K-major, 32 keys = 32 bytes further along its one atom.
-__device__ __forceinline__ void issue_pv(float (&o)[OD / 2], const u32 (&pv_a)[PV_STEPS][4], const unsigned char* v) {
+// P V for one V tile (asynchronous; one commit group): P from registers. bf16: O += P V, 16 keys per step,
+// V [BN][D] read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step. FP8:
+// acc = P V[:, columns of acc] (overwritten: the first step does not accumulate), 32 keys per step, V^T
+// [D][BN] read K-major from the row of acc's first column, 32 keys = 32 bytes further along its one atom.
+template <int N>
+__device__ __forceinline__ void issue_pv(float (&acc)[N / 2], const u32 (&pv_a)[PV_STEPS][4], const unsigned char* v) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) {
 #if CUFLASH_FP8  // (the preprocessor: the other branch's operand shapes do not exist in this variant)
-        wgmma_rs_fp8<OD>(o, pv_a[kk], wgmma_desc_advance(wgmma_desc(v), 32 * kk), 1);
+        wgmma_rs_fp8<N>(acc, pv_a[kk], wgmma_desc_advance(wgmma_desc(v), 32 * kk), kk > 0);
 #else
-        wgmma_rs<OD, 1>(o, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
+        wgmma_rs<N, 1>(acc, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
 #endif
     }
     wgmma_commit();
+}
+
+// FP8: O = O alpha + acc over the columns acc holds, O's elements from `first` on (a 64 x N accumulator's
+// element i is row i % 4 / 2 of the thread's two: the layout above).
+template <int N>
+__device__ __forceinline__ void add_to_o(float (&o)[OD / 2], const float (&acc)[N / 2], const float (&alpha)[2],
+                                         int first) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) o[first + i] = fmaf(o[first + i], alpha[i % 4 / 2], acc[i]);
+}
+
+// FP8: O += P V now (waits for it), N columns at a time through acc (O is rescaled before, so no alpha is
+// held across the waits: d = 256 has no register to spare).
+template <int N>
+__device__ __forceinline__ void pv_into_o(float (&o)[OD / 2], float (&acc)[N / 2], const u32 (&pv_a)[PV_STEPS][4],
+                                          const unsigned char* v) {
+    constexpr float one[2] = {1.f, 1.f};
+#pragma unroll
+    for (int part = 0; part < OD / N; ++part) {
+        issue_pv<N>(acc, pv_a, v + part * N * 128);  // V^T rows of 128 bytes
+        wgmma_wait<0>();
+        wgmma_fence_regs(acc);
+        add_to_o<N>(o, acc, one, part * N / 2);
+    }
 }
 
 // P_n (fp32, accumulator layout) -> the A fragments of O += P V.
@@ -291,27 +326,33 @@ __device__ __forceinline__ SeqInfo sequence(const Fa3FwdParams& p, int batch) {
                   : SeqInfo(nullptr, nullptr, batch, p.seqlen_q, p.seqlen_k);
 }
 
-// FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last), and the K or V
-// descale of a KV head's block `block` (of p.kv_descale_tiles K tiles each).
+// FP8 descale factors (Fa3FwdParams): a query row's (rows past the end clamp to the last).
 __device__ __forceinline__ float q_descale(const Fa3FwdParams& p, int batch, int head, int row) {
     return p.q_descale[(i64(batch) * p.heads + head) * p.q_descale_blocks + min(row, p.seqlen_q - 1) / p.q_descale_rows];
 }
-__device__ __forceinline__ float kv_descale(const float* descale, const Fa3FwdParams& p, int batch, int kv_head,
-                                            int block) {
-    return descale[(i64(batch) * p.kv_heads + kv_head) * p.kv_descale_blocks + block];
-}
 
-// Which K/V descale block K tile n is in, walked a tile at a time as (block, tile within it): the loop
-// then divides nothing (n / p.kv_descale_tiles there cost ~15 of an FP8 iteration's ~560 issue slots).
+// The K and V descales of K tile n of a KV head, walked a tile at a time: `index` is the entry of the
+// tile's block in both arrays (they share a layout), `within` the tile's place in its block. The loop
+// then divides nothing (n / p.kv_descale_tiles there cost ~15 of an FP8 iteration's ~560 issue slots) and
+// holds one index, not the batch, KV head and block (a register d = 256 does not have to spare).
+// (An int: the arrays hold one entry per 128 keys of each KV head, under 2^31 for any K that fits a GPU.)
 struct DescaleCursor {
-    int block, within;
-    __device__ __forceinline__ DescaleCursor(const Fa3FwdParams& p, int n)
-        : block(n / p.kv_descale_tiles), within(n % p.kv_descale_tiles) {}
+    int index, within;
+    __device__ __forceinline__ DescaleCursor(const Fa3FwdParams& p, int batch, int kv_head, int n)
+        : index((batch * p.kv_heads + kv_head) * p.kv_descale_blocks + n / p.kv_descale_tiles),
+          within(n % p.kv_descale_tiles) {}
     __device__ __forceinline__ void next(const Fa3FwdParams& p) {
         if (++within == p.kv_descale_tiles) {
             within = 0;
-            ++block;
+            ++index;
         }
+    }
+    __device__ __forceinline__ float k(const Fa3FwdParams& p) const { return p.k_descale[index]; }
+    __device__ __forceinline__ float v(const Fa3FwdParams& p) const { return p.v_descale[index]; }
+    // V_{n-1}'s descale over V_n's: O's change of units when tile n starts a block, else 1 (both read
+    // again, from L1: a V descale held across the loop is a register too many at d = 256)
+    __device__ __forceinline__ float v_ratio(const Fa3FwdParams& p) const {
+        return within == 0 ? __fdividef(p.v_descale[index - 1], p.v_descale[index]) : 1.f;
     }
 };
 
@@ -435,20 +476,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             store_output(p, o, softmax, 1.f, seq, qrow, qhead, q4, tile.batch);
             continue;
         }
-        // FP8: the Q descale of this thread's rows, the K descale of a tile, and the V descale of the tile
-        // whose units O is in.
+        // FP8: the Q descale of this thread's rows; the K and V descales of the tiles (O is held in units of
+        // the current tile's V descale).
         const int kv_head = PACK_GQA ? tile.head : tile.head / group;
         float row_scale[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) row_scale[r] = FP8 ? q_descale(p, tile.batch, qhead[r], qrow[r]) : 1.f;
-        DescaleCursor descale(p, FP8 ? n_lo : 0);  // (unused, and folded away, unless FP8)
-        auto k_scale = [&] { return FP8 ? kv_descale(p.k_descale, p, tile.batch, kv_head, descale.block) : 1.f; };
-        float v_scale = FP8 ? kv_descale(p.v_descale, p, tile.batch, kv_head, descale.block) : 1.f;
+        DescaleCursor descale(p, tile.batch, kv_head, FP8 ? n_lo : 0);  // (unused, and folded away, unless FP8)
+        auto k_scale = [&] { return FP8 ? descale.k(p) : 1.f; };
         mbar_wait(&sm.q_full, q_iter++ & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet. rescale: O is to be multiplied by
         // softmax.alpha before the next P V is added (a row max moved in the warp, or FP8's V descale).
         bool rescale = false;
+        // FP8 with the overlap: the fresh accumulator of P_{n-1} V_{n-1} and the alpha it joins O with.
+        float pv[OD / 2];
+        float pv_alpha[2] = {1.f, 1.f};
+        if constexpr (FP8 && INTRA_WG_OVERLAP) {
+#pragma unroll
+            for (int j = 0; j < OD / 2; ++j) pv[j] = 0.f;
+        }
         {
             const int s = i % STAGES;
             wait_my_turn(c);
@@ -474,27 +521,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.v_full[s_prev], (i / STAGES) & 1);
             if constexpr (INTRA_WG_OVERLAP) {
                 issue_qk(sc, q_rows, sm.k[s]);
-                if (rescale) softmax.rescale(o);  // under S_n: O is idle until P_{n-1} V_{n-1} is issued
-                issue_pv(o, pv_a, sm.v[s_prev]);
+                // under S_n: O is idle until P_{n-1} V_{n-1} is issued
+                if constexpr (FP8) {
+                    add_to_o<OD>(o, pv, pv_alpha, 0);  // P_{n-2} V_{n-2}
+                    issue_pv<OD>(pv, pv_a, sm.v[s_prev]);
+                } else {
+                    if (rescale) softmax.rescale(o);
+                    issue_pv<OD>(o, pv_a, sm.v[s_prev]);
+                }
             } else {  // P_{n-1} V_{n-1} finishes before S_n takes its registers
                 if (rescale) softmax.rescale(o);
-                issue_pv(o, pv_a, sm.v[s_prev]);
-                wgmma_wait<0>();
-                wgmma_fence_regs(o);
+                if constexpr (FP8) {
+                    pv_into_o<BN>(o, sc, pv_a, sm.v[s_prev]);  // sc: S_{n-1} is P now
+                } else {
+                    issue_pv<OD>(o, pv_a, sm.v[s_prev]);
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(o);
+                }
                 issue_qk(sc, q_rows, sm.k[s]);
             }
             pass_the_turn(c);
             if constexpr (FP8) descale.next(p);  // K tile n's
             const float tile_scale = k_scale();
-            float v_ratio = 1.f;  // FP8: O moves from V_{n-1}'s descale units to V_n's
-            if constexpr (FP8) {
-                const float v_next = kv_descale(p.v_descale, p, tile.batch, kv_head, descale.block);
-                v_ratio = __fdividef(v_scale, v_next);
-                v_scale = v_next;
-            }
+            const float v_ratio = FP8 ? descale.v_ratio(p) : 1.f;  // FP8: O moves from V_{n-1}'s units to V_n's
 
             wgmma_wait<INTRA_WG_OVERLAP ? 1 : 0>();  // S_n is done; P_{n-1} V_{n-1} may still run
             wgmma_fence_regs(sc);
+            if constexpr (FP8) {  // P_{n-1} V_{n-1}'s alpha, before step n replaces it
+                pv_alpha[0] = softmax.alpha[0];
+                pv_alpha[1] = softmax.alpha[1];
+            }
             rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
                                    row_scale, tile_scale);
             // K_n's slot is released after the exponentials, not right after S_n: this branch ends the block
@@ -514,7 +570,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // (wgmma.wait_group is .aligned: a wait inside a per-warp rescale branch is what
             // compute-sanitizer's synccheck flagged).
             wgmma_wait<0>();
-            wgmma_fence_regs(o);
+            if constexpr (FP8)
+                wgmma_fence_regs(pv);
+            else
+                wgmma_fence_regs(o);
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
             pack_p(sc, pv_a);
             ++i;
@@ -525,14 +584,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const int s = i % STAGES;
             wait_my_turn(c);
             mbar_wait(&sm.v_full[s], (i / STAGES) & 1);
-            if (rescale) softmax.rescale(o);
-            issue_pv(o, pv_a, sm.v[s]);
-            pass_the_turn(c);
-            wgmma_wait<0>();
-            wgmma_fence_regs(o);
+            if constexpr (!FP8) {
+                if (rescale) softmax.rescale(o);
+                issue_pv<OD>(o, pv_a, sm.v[s]);
+                pass_the_turn(c);
+                wgmma_wait<0>();
+                wgmma_fence_regs(o);
+            } else if constexpr (INTRA_WG_OVERLAP) {
+                add_to_o<OD>(o, pv, pv_alpha, 0);  // P_{n-2} V_{n-2}
+                issue_pv<OD>(pv, pv_a, sm.v[s]);
+                pass_the_turn(c);
+                wgmma_wait<0>();
+                wgmma_fence_regs(pv);
+                add_to_o<OD>(o, pv, softmax.alpha, 0);
+            } else {
+                if (rescale) softmax.rescale(o);
+                pv_into_o<BN>(o, sc, pv_a, sm.v[s]);
+                pass_the_turn(c);
+            }
             if (lane == 0) mbar_arrive(&sm.v_empty[s]);
             ++i;
         }
+        // FP8: O is in units of the last tile's V descale
+        const float v_scale = FP8 ? descale.v(p) : 1.f;
         if constexpr (STORE_O_TMA)
             store_output_tma(p, &map_o, sm.o + c * (O_BYTES / 2), o, softmax, v_scale, c, t, tile.m_block * 2 + c,
                              tile.head, tile.batch);
