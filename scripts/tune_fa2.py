@@ -25,7 +25,8 @@ T = heuristics.Fa2Tiles
 # with the sub-step loop unrolled.
 CANDIDATES = {
     64: [T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, True), T(128, 128, 4, 64, False)],
-    128: [T(128, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False), T(64, 64, 4, 32, False)],
+    128: [T(128, 32, 4, 0, False), T(128, 64, 4, 32, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False),
+          T(64, 64, 4, 32, False)],
     256: [T(64, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 64, 8, 32, False), T(64, 64, 4, 32, False)],
 }
 SEQLENS = (2048, 8192)
