@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh [STAGE...]   stages: warm (compile every variant, all cores), tests, risky (the
 #                                     kernels that could hang, each in its own process), bench, long (64k
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize,
-#                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT)
+#                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT),
+#                                     tune (the FA2 tile candidates against torch flash)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
@@ -69,14 +70,20 @@ for stage in "${stages[@]}"; do
     sanitize)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
-      # The tuning probes the notes ask for next, each under a time limit, one log: FA3 forward/backward at
-      # d = 128 and 256 with the deterministic mode, FP8 d = 128 with and without the pingpong, decode
-      # 1 x 32k by number of splits.
-      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-150} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -12 || status=1; }
-      probe scripts/quick_perf.py --impls fa3 --headdims 128,256 --seqlens 2048,8192 --deterministic --reps 10
-      probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer
-      probe scripts/fp8_probe.py --headdims 128 --seqlens 8192 --no-check --no-peer --tiles 128:128:2:1:0
-      probe scripts/decode_probe.py --shapes 1x32768 --splits 8,12,16,24,33 --page-sizes 0,1 ;;
+      # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
+      # tile tables at d = 64 (three consumer warpgroups), decode by splits with and without the deep ring
+      # (contiguous and page size 1), the FP8 forward at N = 8k.
+      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-150} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -14 || status=1; }
+      probe scripts/fa3_tiles_probe.py --headdims 64 --seqlens 2048,8192 --reps 10
+      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,8,16,33 --page-sizes 0,1
+      probe scripts/fp8_probe.py --headdims 128,256 --seqlens 8192 --no-check --no-peer ;;
+    tune)
+      # The FA2 tile candidates against torch's flash backend (each candidate compiles first, ~20 s): the
+      # backward at d = 128 / 256, the forward at d = 128. One log.
+      for args in "tune_fa2_bwd.py 128 256" "tune_fa2.py 128"; do
+        echo "##### $args" | tee -a "$OUT/tune.log"
+        timeout -k 10 ${PROBE_TIMEOUT:-300} python3 scripts/$args 2>&1 | tee -a "$OUT/tune.log" | tail -40 || status=1
+      done ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done
