@@ -56,6 +56,12 @@ FP8_TRANSPOSE_PARAMS = np.dtype(
 MAX_SMEM = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
+def _unmasked(window, dims: Dims) -> bool:
+    """No causal mask or window bounds the rows: every query row sees every key (``window`` as
+    _validate.window_bounds gives it, "unbounded" = the sequence length)."""
+    return window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
+
+
 def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False) -> heuristics.Fa3Tiles:
     """The forward's tiles: FA3_FP8_TILES for FP8; else FA3_TILES_UNMASKED where it has the head dim and
     no mask bounds the rows (``unmasked``), FA3_TILES otherwise."""
@@ -201,7 +207,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     (the next sequence's, weighted by exactly zero), and for the last sequence the rows after
     cu_seqlens_k[-1] if the arrays have any — those must hold finite numbers (0 × NaN is NaN).
     """
-    unmasked = window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
+    unmasked = _unmasked(window, dims)
     t = fwd_tiles(dims.headdim, unmasked=unmasked)
     cu_q, cu_k = cu_seqlens or (None, None)
     pack = pack_gqa(dims, cu_q is not None)
@@ -347,8 +353,7 @@ def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
     block per SM; a block in the rotated order may wait for blocks launched after it, so a head whose K
     blocks do not all fit could wait forever, and kernels running beside this one, e.g. NCCL's, hold SMs
     too: heuristics.FA3_BWD_ROTATE_SM_FRACTION of them)."""
-    unmasked = window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
-    return unmasked and k_blocks <= num_sms * heuristics.FA3_BWD_ROTATE_SM_FRACTION
+    return _unmasked(window, dims) and k_blocks <= num_sms * heuristics.FA3_BWD_ROTATE_SM_FRACTION
 
 
 def varlen_row_pitch(total_q: int, batch: int) -> int:
