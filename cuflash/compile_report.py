@@ -24,7 +24,7 @@ from ._jit import Compiled, CompileError, Variant, compile_variant
 # other archs).
 VARIANT_SOURCES = {
     "fa1": lambda arch: fa1.all_variants(),
-    "fa2": lambda arch: fa2.all_variants(),
+    "fa2": fa2.all_variants,
     "fa3": fa3.all_variants,
     "bwd_aux": lambda arch: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
     "decode": lambda arch: decode.all_variants(),  # 12 attention + 4 append/rotary + 3 combine

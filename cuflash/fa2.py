@@ -11,11 +11,12 @@ import itertools
 import numpy as np
 
 from . import _bwd_aux
+from ._device import compute_capability, device_id
 from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, smem_tile_bytes, stride_fields)
 from ._validate import Dims
-from .heuristics import FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_TILES
+from .heuristics import FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_BWD_TILES_PLAIN_SM90, FA2_TILES
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
@@ -80,16 +81,22 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     )
 
 
-def bwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False):
-    """The tiles of a backward variant: FA2_BWD_TILES_PLAIN's row when no feature needs extra registers."""
-    if not (softcap or alibi or dropout) and headdim in FA2_BWD_TILES_PLAIN:
-        return FA2_BWD_TILES_PLAIN[headdim]
+def bwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False, sm90: bool = False):
+    """The tiles of a backward variant: when no feature needs extra registers, FA2_BWD_TILES_PLAIN_SM90's
+    row on sm_90 (``sm90``), else FA2_BWD_TILES_PLAIN's; otherwise FA2_BWD_TILES's."""
+    if not (softcap or alibi or dropout):
+        if sm90 and headdim in FA2_BWD_TILES_PLAIN_SM90:
+            return FA2_BWD_TILES_PLAIN_SM90[headdim]
+        if headdim in FA2_BWD_TILES_PLAIN:
+            return FA2_BWD_TILES_PLAIN[headdim]
     return FA2_BWD_TILES[headdim]
 
 
-def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
-    """The deterministic mode is a run-time choice of the same variant (a dQ semaphore array or none)."""
-    t = bwd_tiles(headdim, softcap, alibi, dropout)
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False,
+                sm90: bool = False) -> Variant:
+    """The deterministic mode is a run-time choice of the same variant (a dQ semaphore array or none).
+    ``sm90``: the variant a Hopper GPU runs (bwd_tiles)."""
+    t = bwd_tiles(headdim, softcap, alibi, dropout, sm90)
     sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
     smem = (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
             + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n) + 2 * t.q_stages * t.block_m * 4)  # + LSE, D rows
@@ -107,13 +114,15 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     )
 
 
-def all_variants() -> list[Variant]:
+def all_variants(arch: str = "sm_80") -> list[Variant]:
+    """The variants a GPU of ``arch`` runs (the backward's plain tiles differ on sm_90)."""
+    sm90 = arch.startswith("sm_90")
     out = []
     for dtype in DTYPE_CODES:
         for d in HEADDIMS:
             for softcap, alibi, dropout in itertools.product((False, True), repeat=3):
                 out.append(fwd_variant(d, dtype, softcap, alibi, dropout))
-                out.append(bwd_variant(d, dtype, softcap, alibi, dropout))
+                out.append(bwd_variant(d, dtype, softcap, alibi, dropout, sm90))
     return out
 
 
@@ -172,8 +181,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     cu_q, cu_k = cu_seqlens or (None, None)
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 
-    t = bwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None)
-    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, dropout is not None)
+    features = (softcap > 0, alibi_slopes is not None, dropout is not None)
+    sm90 = compute_capability(device_id())[0] == 9
+    t = bwd_tiles(dims.headdim, *features, sm90)
+    variant = bwd_variant(dims.headdim, dims.dtype, *features, sm90)
     q_blocks = (dims.seqlen_q + t.block_m - 1) // t.block_m
     semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None
     p = np.zeros(1, BWD_PARAMS)

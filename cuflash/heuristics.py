@@ -90,14 +90,24 @@ FA2_BWD_TILES = {
     256: Fa2BwdTiles(64, 32, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=2, q_split=2),
 }
 
-# Overrides for the variants without softcap, ALiBi or dropout (those features cost 10-30 registers): at
-# d <= 64 the plain variant computes each warp's 32 x 32 S / dP tile in one chunk (0.156 instead of 0.181
-# bytes of shared memory per MAC: bench/NOTES.md, "FA2 backward: static analysis"); 232 registers with
-# NVRTC 13.5, 226 with 13.0, no spills. Same BLOCK_M / BLOCK_N as the general row, so the grid does not
-# change. Tried and rejected (spills): d = 128 with BLOCK_N = 128 (FA2's 64 x 128; 13.0 spills even
-# plain), d = 256 with BLOCK_N = 64 (13.0 spills 72 bytes even plain).
+# Overrides for the variants without softcap, ALiBi or dropout (those features cost 10-30 registers; the
+# launcher sizes the grid by the variant's own tiles): at d <= 64 the plain variant computes each warp's
+# 32 x 32 S / dP tile in one chunk (0.156 instead of 0.181 bytes of shared memory per MAC: bench/NOTES.md,
+# "FA2 backward: static analysis"); 232 registers with NVRTC 13.5, 226 with 13.0, no spills.
 FA2_BWD_TILES_PLAIN = {
     64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
+}
+# ... and on sm_90 (these layouts sit at 255 registers; ptxas for sm_80 spills 16-72 bytes of them with
+# NVRTC 13.0 or 13.5, for sm_90a neither does): FlashAttention-2's tiles, twice the keys per block of the
+# general rows, so half the Q / dO passes and dQ atomics per key and larger warp tiles per ldmatrix (bytes
+# of shared memory per MAC 0.181 -> ~0.13 at d = 128, 0.216 -> ~0.15 at d = 256). d = 128: 64 x 128, dQ
+# with 4 warp rows in 2 column chunks; d = 256: 64 x 64 (one Q / dO stage: 145 KB), S / dP in 2 chunks,
+# dQ in 4. With ALiBi or dropout alone NVRTC 13.0 spills 24-40 bytes at d = 256, so the feature variants
+# keep the general rows. Not yet measured (scripts/tune_fa2_bwd.py 128 256); predictions at N = 8k:
+# d = 128 186 -> 235-250 TF/s (0.60 -> 0.76-0.81 of torch flash), d = 256 125 -> 155-175 (0.50 -> 0.60-0.68).
+FA2_BWD_TILES_PLAIN_SM90 = {
+    128: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=1, q_split=2),
+    256: Fa2BwdTiles(64, 64, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=4, s_split=2, q_split=4),
 }
 
 

@@ -7,7 +7,8 @@ backward (SDPA FLASH_ATTENTION backend, autograd.grad) once, then cuflash's FA2 
 candidate Fa2BwdTiles, each line with its registers / spill bytes from this machine's NVRTC (a candidate
 that spills still runs; the table must not take it). TF/s by the bwd convention (2.5 x 4 B H N^2 d, halved
 when causal). Pick the fastest spill-free row per head dim and put it in heuristics.FA2_BWD_TILES (or
-FA2_BWD_TILES_PLAIN when only the plain variant fits in registers).
+FA2_BWD_TILES_PLAIN / FA2_BWD_TILES_PLAIN_SM90 when only the plain variant fits in registers, or only on
+sm_90).
 """
 import sys
 
@@ -21,13 +22,14 @@ from cuflash.bench import time_fn
 from cuflash.compile_report import parse_ptxas_log
 
 T = heuristics.Fa2BwdTiles
-# (block_m, block_n, warps, q_stages, warps_s_m, warps_kv_n, warps_q_m, s_split, q_split); first = the table's.
+# (block_m, block_n, warps, q_stages, warps_s_m, warps_kv_n, warps_q_m, s_split, q_split); first = the table's
+# on sm_90 (FA2_BWD_TILES_PLAIN_SM90 at d = 128 and 256), second = the general row there.
 CANDIDATES = {
     64: [T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1), T(128, 128, 8, 2, 4, 4, 4, 2, 1),
          T(128, 128, 8, 2, 4, 4, 4, 1, 1)],
-    128: [T(64, 64, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1),
-          T(128, 64, 8, 2, 4, 2, 4, 1, 1)],
-    256: [T(64, 32, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 4),
+    128: [T(64, 128, 8, 2, 2, 4, 4, 1, 2), T(64, 64, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 4, 1, 4),
+          T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(128, 64, 8, 2, 4, 2, 4, 1, 1)],
+    256: [T(64, 64, 8, 1, 4, 2, 4, 2, 4), T(64, 32, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 2),
           T(64, 32, 8, 2, 4, 2, 2, 1, 2)],
 }
 SEQLENS = (2048, 8192)
@@ -49,6 +51,7 @@ def use(d, tiles):
     """Make every FA2 backward variant of head dim d take ``tiles``; returns (registers, spill bytes)."""
     heuristics.FA2_BWD_TILES[d] = tiles  # the same dicts fa2.py reads
     heuristics.FA2_BWD_TILES_PLAIN.pop(d, None)
+    heuristics.FA2_BWD_TILES_PLAIN_SM90.pop(d, None)
     cc = cupy.cuda.Device().compute_capability
     v = fa2.bwd_variant(d, "bfloat16")
     info = parse_ptxas_log(compile_variant(v, "sm_90a" if cc == "90" else f"sm_{cc}").log, v.kernel)
