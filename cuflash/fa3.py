@@ -31,8 +31,7 @@ BWD_HEADDIMS = (64, 96, 128, 192, 256)
 # DeepSeek-V3's prefill (192 / 128) and the halves of the others; the tiles are Q and K's head dim's, and a
 # narrower O leaves registers to spare. The backward and the other families need v's head dim to be q's.
 FWD_HEADDIM_V = {128: (64,), 192: (128,), 256: (128,)}
-BLOCK_M = 128
-THREADS = 384  # producer + two consumer warpgroups
+THREADS = 384  # producer + two consumer warpgroups (the backward; the forward's: fwd_threads)
 FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
 FP8_BLOCK_N = 128  # keys per K/V tile of the FP8 forward: K/V descale blocks are whole multiples of it
 FP8_TRANSPOSE_THREADS = 256
@@ -62,14 +61,23 @@ def _unmasked(window, dims: Dims) -> bool:
     return window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
 
 
-def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False) -> heuristics.Fa3Tiles:
-    """The forward's tiles: FA3_FP8_TILES for FP8; else FA3_TILES_UNMASKED where it has the head dim and
-    no mask bounds the rows (``unmasked``), FA3_TILES otherwise."""
+def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: bool = False,
+              pack_gqa: bool = False) -> heuristics.Fa3Tiles:
+    """The forward's tiles: FA3_FP8_TILES for FP8; FA3_TILES_3WG where it has the head dim and neither
+    softcap nor GQA packing asks for registers; else FA3_TILES_UNMASKED where it has the head dim and no
+    mask bounds the rows (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         return FA3_FP8_TILES[headdim]
+    if not (softcap or pack_gqa) and headdim in heuristics.FA3_TILES_3WG:
+        return heuristics.FA3_TILES_3WG[headdim]
     if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
         return heuristics.FA3_TILES_UNMASKED[headdim]
     return FA3_TILES[headdim]
+
+
+def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
+    """Query rows per forward tile: 64 per consumer warpgroup."""
+    return 64 * tiles.consumers
 
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
@@ -77,19 +85,20 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16).
     ``unmasked``: no causal mask or window (fwd_tiles). ``headdim_v``: V's (and O's) head dim where it
     differs from Q and K's (FWD_HEADDIM_V); the tiles are Q and K's head dim's."""
-    t = fwd_tiles(headdim, fp8, unmasked)
+    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa)
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
     def padded(d):  # tiles hold whole 128-byte atom rows (d = 96 as 128)
         return -(-d * elem // 128) * 128 // elem
 
-    q_bytes, k_bytes = BLOCK_M * padded(headdim) * elem, t.block_n * padded(headdim) * elem
+    block_m = fwd_block_m(t)
+    q_bytes, k_bytes = block_m * padded(headdim) * elem, t.block_n * padded(headdim) * elem
     v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
     smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
     # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
     # sequence's end fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
-    o_bytes = BLOCK_M * (headdim if fp8 else padded(headdim_v)) * 2
+    o_bytes = block_m * (headdim if fp8 else padded(headdim_v)) * 2
     store_o_tma = not varlen and not pack_gqa and smem + o_bytes <= MAX_SMEM
     if store_o_tma:
         smem += o_bytes
@@ -102,8 +111,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
            ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
            ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
            ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
-           ("CUFLASH_SMEM_BYTES", smem)),
-        threads=THREADS, smem_bytes=smem,
+           ("CUFLASH_CONSUMERS", t.consumers), ("CUFLASH_SMEM_BYTES", smem)),
+        threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
 
 
@@ -157,6 +166,7 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
            for d in HEADDIMS for dv in (d,) + FWD_HEADDIM_V.get(d, ()) for softcap in (False, True)
            for varlen, pack in ((False, False), (True, False), (False, True))
            for unmasked in ((False, True) if d in heuristics.FA3_TILES_UNMASKED else (False,))]
+    fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
     fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
@@ -167,19 +177,20 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
 def pack_gqa(dims: Dims, varlen: bool) -> bool:
     """Whether the forward packs the query heads of each GQA group into shared tiles: when that takes
     fewer tiles (few query rows, e.g. speculative decoding or short chunks), for fixed-length batches and
-    groups that divide the 64 rows of a consumer warpgroup."""
+    groups that divide the 64 rows of a consumer warpgroup. Packed tiles have two consumer warpgroups
+    (fwd_tiles): 128 rows."""
     group = dims.heads // dims.kv_heads
     if varlen or group < 2 or 64 % group:
         return False
-    return -(-dims.seqlen_q * group // BLOCK_M) < group * -(-dims.seqlen_q // BLOCK_M)
+    return -(-dims.seqlen_q * group // 128) < group * -(-dims.seqlen_q // 128)
 
 
-def _packed_q_map(q, group: int):
-    """Q as (d, heads, seqlen, batch), innermost first, with (64, group, BLOCK_M / group) boxes: one box
-    is a tile of BLOCK_M (query, head) rows, the group's heads fastest."""
+def _packed_q_map(q, group: int, block_m: int):
+    """Q as (d, heads, seqlen, batch), innermost first, with (64, group, block_m / group) boxes: one box
+    is a tile of block_m (query, head) rows, the group's heads fastest."""
     b, s, h, d = q.shape
     strides = (q.strides[2], q.strides[1], q.strides[0])  # bytes: head, row, batch
-    return _tma.encode_tiled(q.data.ptr, dtype_name(q.dtype), (d, h, s, b), strides, (64, group, BLOCK_M // group, 1),
+    return _tma.encode_tiled(q.data.ptr, dtype_name(q.dtype), (d, h, s, b), strides, (64, group, block_m // group, 1),
                              swizzle=128)
 
 
@@ -208,15 +219,16 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     cu_seqlens_k[-1] if the arrays have any — those must hold finite numbers (0 × NaN is NaN).
     """
     unmasked = _unmasked(window, dims)
-    t = fwd_tiles(dims.headdim, unmasked=unmasked)
     cu_q, cu_k = cu_seqlens or (None, None)
     pack = pack_gqa(dims, cu_q is not None)
+    t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack)
+    block_m = fwd_block_m(t)
     group = dims.heads // dims.kv_heads
     variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked,
                           headdim_v=dims.headdim_v)
-    map_q = _packed_q_map(q, group) if pack else _tensor_map(q, BLOCK_M)
+    map_q = _packed_q_map(q, group, block_m) if pack else _tensor_map(q, block_m)
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
-    map_o = _tensor_map(out, BLOCK_M // 2)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
+    map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
@@ -226,9 +238,9 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     if pack:
-        tiles = -(-dims.seqlen_q * group // BLOCK_M) * dims.kv_heads * dims.batch
+        tiles = -(-dims.seqlen_q * group // block_m) * dims.kv_heads * dims.batch
     else:
-        tiles = -(-dims.seqlen_q // BLOCK_M) * dims.heads * dims.batch
+        tiles = -(-dims.seqlen_q // block_m) * dims.heads * dims.batch
     grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     launch(variant, grid, (map_q, map_k, map_v, map_o, p), stream)
 
@@ -259,11 +271,12 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
 
     variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True)
-    map_q, map_k = _tensor_map(q, BLOCK_M), _tensor_map(k, t.block_n)
+    block_m = fwd_block_m(t)
+    map_q, map_k = _tensor_map(q, block_m), _tensor_map(k, t.block_n)
     # V^T (keys, d, kv_heads, batch), innermost first: boxes of block_n keys x d rows
     map_vt = _tma.encode_tiled(vt.data.ptr, "uint8", (keys_padded, dims.headdim, dims.kv_heads, dims.batch),
                                vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
-    map_o = _tensor_map(out, BLOCK_M // 2)
+    map_o = _tensor_map(out, 64)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     fill_strides(p, "o", out)
@@ -273,7 +286,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     p["q_descale"], p["k_descale"], p["v_descale"] = q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr
     p["q_descale_blocks"], p["q_descale_rows"] = q_descale.shape[2], q_block
     p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // FP8_BLOCK_N
-    tiles = -(-dims.seqlen_q // BLOCK_M) * dims.heads * dims.batch
+    tiles = -(-dims.seqlen_q // block_m) * dims.heads * dims.batch
     launch(variant, (min(tiles, _sm_count()),), (map_q, map_k, map_vt, map_o, p), stream)
 
 

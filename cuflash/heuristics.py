@@ -113,8 +113,9 @@ FA2_BWD_TILES_PLAIN_SM90 = {
 
 @dataclass(frozen=True)
 class Fa3Tiles:
-    block_n: int  # keys per K/V tile (BLOCK_M is 128: two consumer warpgroups of 64 rows)
+    block_n: int  # keys per K/V tile
     stages: int  # K/V tiles in flight in the shared-memory ring
+    consumers: int = 2  # consumer warpgroups of 64 query rows (BLOCK_M = 64 x consumers); 3 get 160 registers
     # within a consumer warpgroup, S_n = Q K_n^T runs under P_{n-1} V_{n-1} (kernels_cu/fa3/fwd.cu)
     intra_wg_overlap: bool = True
     # the two consumer warpgroups take turns issuing their GEMMs (named barriers; kernels_cu/fa3/fwd.cu)
@@ -146,6 +147,16 @@ FA3_TILES = {
 FA3_TILES_UNMASKED = {
     64: Fa3Tiles(block_n=192, stages=2),
     256: Fa3Tiles(block_n=80, stages=2),
+}
+# Three consumer warpgroups (BLOCK_M = 192, 160 registers each, FlashAttention-3's arrangement at d = 64)
+# where the softmax of a tile takes longer than its GEMMs: two warpgroups' softmaxes then run beside one's
+# GEMMs instead of one. Taken before the tables above, causal or not, except with softcap or GQA packing
+# (S 64 + P 32 + O 32 registers at 128 keys: the plain and varlen variants compile without spills under
+# NVRTC 13.5; softcap spills 32 bytes, packing 72; 192 keys make ptxas serialise the wgmma). Not yet
+# measured (scripts/fa3_tiles_probe.py); prediction d = 64 +6-12 % (N = 2k non-causal 421 -> 450-470
+# TF/s, cuDNN 465), less at N = 2k causal (192-row tiles cross the diagonal more).
+FA3_TILES_3WG = {
+    64: Fa3Tiles(block_n=128, stages=2, consumers=3),
 }
 
 

@@ -1,7 +1,8 @@
-"""A/B of the FA3 forward's tiles: heuristics.FA3_TILES_UNMASKED (wider K tiles for calls without a mask)
-against FA3_TILES alone, in one process; times ``flash_attn_func(impl="fa3")`` causal and not (causal
-calls take FA3_TILES either way: a check on the noise), torch's cuDNN backend beside, bf16, FlashAttention
-benchmark shapes (16k tokens, hidden 2048). Prints TF/s per (d, N, causal).
+"""A/B of the FA3 forward's tiles, in one process: FA3_TILES alone, then with heuristics.FA3_TILES_UNMASKED
+(wider K tiles for calls without a mask; causal calls take FA3_TILES either way: a check on the noise),
+then with FA3_TILES_3WG too (three consumer warpgroups); times ``flash_attn_func(impl="fa3")`` causal and
+not, torch's cuDNN backend beside, bf16, FlashAttention benchmark shapes (16k tokens, hidden 2048).
+Prints TF/s per (d, N, causal).
 
     python scripts/fa3_tiles_probe.py [--headdims 64,128,256] [--seqlens 2048,4096,8192,16384] [--reps 20]
 """
@@ -22,8 +23,9 @@ def main():
     parser.add_argument("--seqlens", type=ints, default=[2048, 4096, 8192, 16384])
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    now = (dict(heuristics.FA3_TILES), dict(heuristics.FA3_TILES_UNMASKED))
-    before = (now[0], {})
+    tables = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG)
+    full = tuple(dict(t) for t in tables)
+    configs = (("FA3_TILES", (full[0], {}, {})), ("+UNMASKED", (full[0], full[1], {})), ("+3WG", full))
     rng = np.random.default_rng(0)
     for d in args.headdims:
         for n in args.seqlens:
@@ -33,14 +35,13 @@ def main():
             for causal in (False, True):
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 row = {}
-                for name, (tiles, unmasked) in (("FA3_TILES", before), ("UNMASKED", now)):
-                    heuristics.FA3_TILES.clear()
-                    heuristics.FA3_TILES.update(tiles)
-                    heuristics.FA3_TILES_UNMASKED.clear()
-                    heuristics.FA3_TILES_UNMASKED.update(unmasked)
-                    block_n = fa3.fwd_tiles(d, unmasked=not causal).block_n
+                for name, contents in configs:
+                    for table, content in zip(tables, contents):
+                        table.clear()
+                        table.update(content)
+                    t = fa3.fwd_tiles(d, unmasked=not causal)
                     ms = time_fn(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 3, args.reps)
-                    row[f"{name} (block_n {block_n})"] = flops / ms / 1e9
+                    row[f"{name} ({fa3.fwd_block_m(t)} x {t.block_n})"] = flops / ms / 1e9
                 try:
                     import torch
                     from torch.nn.attention import SDPBackend, sdpa_kernel

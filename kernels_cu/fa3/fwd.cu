@@ -1,17 +1,19 @@
 // FA3-style attention forward for Hopper (sm_90a): TMA, an mbarrier ring, warp specialisation, wgmma.
 //
 // A persistent grid (about one thread block per SM, common/tile_scheduler.cuh) walks the tiles of
-// BLOCK_M = 128 query rows of one (batch, head); each thread block runs three warpgroups:
+// BLOCK_M = 64 x CONSUMERS query rows of one (batch, head); each thread block runs 1 + CONSUMERS warpgroups:
 //   producer  (warpgroup 0): gives registers back (setmaxnreg.dec); one thread TMA-loads the Q tile once
 //             and streams the K and V tiles the rows can see through a STAGES-deep shared-memory ring,
 //             each tile completing a "full" mbarrier, each K or V slot waiting on its own "empty"
 //             mbarrier first (a K slot frees as soon as S is computed, well before its V);
-//   consumers (warpgroups 1 and 2, 64 rows each): take registers (setmaxnreg.inc) and run the online
+//   consumers (warpgroups 1 .. CONSUMERS, 64 rows each): take registers (setmaxnreg.inc) and run the online
 //             softmax over the K/V tiles with two overlaps:
 //     - within a warpgroup, iteration n issues S_n = Q K_n^T and O += P_{n-1} V_{n-1} together (both
 //       asynchronous wgmma), then computes the softmax of S_n while the tensor cores finish P_{n-1} V_{n-1};
-//     - between the two warpgroups ("pingpong"), a pair of named barriers makes them take turns issuing
-//       their GEMMs, so one warpgroup's softmax runs while the other's GEMMs occupy the tensor cores.
+//     - between the consumer warpgroups ("pingpong"), a named barrier per consumer makes them take turns
+//       issuing their GEMMs (0, 1, .., 0, ...), so one warpgroup's softmax runs while another's GEMMs occupy
+//       the tensor cores. Two consumers (240 registers each) is the rule; three (160 each: d = 64, where
+//       the softmax of a tile outlasts its GEMMs) keep two softmaxes going beside one warpgroup's GEMMs.
 // Tiles in shared memory are atoms of 128-byte rows with the 128-byte swizzle that TMA writes and wgmma
 // reads (common/hopper.cuh). The epilogue stores O through shared memory with TMA where it can (STORE_O_TMA).
 //
@@ -29,7 +31,7 @@
 // d = 256, without the overlap, O is rescaled and the parts of P V added).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_HEADDIM_V (of V
-// and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N,
+// and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N, CUFLASH_CONSUMERS (2, 3),
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
 // CUFLASH_PINGPONG (0/1).
@@ -55,7 +57,8 @@ constexpr int ATOM_COLS = 128 / ELEM_BYTES;     // elements per 128-byte atom ro
 constexpr int DP = (D + ATOM_COLS - 1) / ATOM_COLS * ATOM_COLS;
 constexpr int DVP = (DV + ATOM_COLS - 1) / ATOM_COLS * ATOM_COLS;
 constexpr int OD = FP8 ? D : DVP;               // columns of the O accumulator (FP8: N = d of V^T's rows)
-constexpr int BM = 128;  // two consumer warpgroups x 64 rows
+constexpr int CONSUMERS = CUFLASH_CONSUMERS;  // consumer warpgroups, 64 query rows each
+constexpr int BM = 64 * CONSUMERS;
 constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
@@ -78,8 +81,12 @@ static_assert(!FP8 || DV == D, "FP8: V has the head dim of Q and K");
 constexpr int ATOMS = DP / ATOM_COLS;  // atoms per row of a Q or K tile
 constexpr int V_ATOMS = DVP / ATOM_COLS;  // of a V tile (bf16 / fp16)
 constexpr int O_ATOMS = OD / 64;       // 64-column atoms of the 16-bit O staged for the TMA store
-constexpr int THREADS = 384;
-constexpr int CONSUMER_WARPS = 8;
+constexpr int THREADS = 128 * (1 + CONSUMERS);
+constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
+// setmaxnreg: the producer keeps 24 registers per thread, the consumers share the rest of the 64K
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
+static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "the register split fits the SM");
 constexpr int Q_BYTES = BM * DP * ELEM_BYTES, K_BYTES = BN * DP * ELEM_BYTES;
 constexpr int V_BYTES = FP8 ? D * BN : BN * DVP * ELEM_BYTES;  // FP8: a V^T tile, d rows of BN keys
 constexpr int O_BYTES = BM * OD * 2;
@@ -109,17 +116,18 @@ struct Smem {
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
 // Pingpong: consumer c waits on named barrier PINGPONG_BAR + c before issuing its GEMMs and, once they
-// are issued, arrives on the other consumer's barrier. Both consumers take part (2 x 128 threads).
+// are issued, arrives on the next consumer's barrier (c + 1, wrapping). Each barrier has two parties, the
+// consumer that waits and the one before it (2 x 128 threads).
 constexpr int PINGPONG_BAR = 1;
-constexpr int EPILOGUE_BAR = 3;  // + consumer: the 128 threads of one consumer warpgroup
-// CUFLASH_PINGPONG 0 leaves the two consumers to issue whenever they are ready (a tuning switch: FP8's
+constexpr int EPILOGUE_BAR = PINGPONG_BAR + CONSUMERS;  // + consumer: the 128 threads of one consumer warpgroup
+// CUFLASH_PINGPONG 0 leaves the consumers to issue whenever they are ready (a tuning switch: FP8's
 // GEMMs are half as long as bf16's, so the turns may cost more than they hide).
 constexpr bool PINGPONG = CUFLASH_PINGPONG;
 __device__ __forceinline__ void wait_my_turn(int c) {
     if constexpr (PINGPONG) named_sync(PINGPONG_BAR + c, 256);
 }
 __device__ __forceinline__ void pass_the_turn(int c) {
-    if constexpr (PINGPONG) named_arrive(PINGPONG_BAR + (c ^ 1), 256);
+    if constexpr (PINGPONG) named_arrive(PINGPONG_BAR + (c == CONSUMERS - 1 ? 0 : c + 1), 256);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -397,8 +405,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Both roles walk the same tiles and count the same K/V tiles (`i`, across tiles: the ring's slots
     // and phases carry on) and the same non-empty tiles (`q_iter`: the Q buffer's phase).
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
-        // 128 x 24 + 256 x 240 = 64512 <= 65536 registers: the consumers' increase can be granted.
-        regs_decrease<24>();
+        regs_decrease<PRODUCER_REGS>();  // so that the consumers' increase can be granted
         if (threadIdx.x != 0) return;
         int i = 0, q_iter = 0;
         for (TileScheduler sched(m_blocks, tile_heads, p.batch, l2_section); sched.valid(); sched.advance()) {
@@ -441,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
 
     // ------------------------------------------------------------------------------------- consumers
-    regs_increase<240>();
+    regs_increase<CONSUMER_REGS>();
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
@@ -450,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float sc[BN / 2];        // S_n, then P_n in fp32 (accumulator layout)
     u32 pv_a[PV_STEPS][4];   // P_{n-1} as wgmma A fragments, read by the in-flight O += P V
     int i = 0, q_iter = 0;
-    if (c == 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
+    if (c == CONSUMERS - 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
     for (TileScheduler sched(m_blocks, tile_heads, p.batch, l2_section); sched.valid(); sched.advance()) {
         const Tile tile = sched.tile();
@@ -608,8 +615,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // FP8: O is in units of the last tile's V descale
         const float v_scale = FP8 ? descale.v(p) : 1.f;
         if constexpr (STORE_O_TMA)
-            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / 2), o, softmax, v_scale, c, t, tile.m_block * 2 + c,
-                             tile.head, tile.batch);
+            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t,
+                             tile.m_block * CONSUMERS + c, tile.head, tile.batch);
         else
             store_output(p, o, softmax, v_scale, seq, qrow, qhead, q4, tile.batch);
     }
