@@ -55,7 +55,10 @@ FA2_TILES = {
     # H200 (scripts/tune_fa2.py, session 3): 303-317 TF/s vs 296-310 for 128 x 64, torch flash 297-309.
     64: Fa2Tiles(block_m=128, block_n=128, warps=4, compute_n=64, q_in_regs=True),
     96: Fa2Tiles(block_m=128, block_n=32, warps=4),
-    128: Fa2Tiles(block_m=128, block_n=32, warps=4),
+    # 64 keys per tile loaded, computed 32 at a time (S stays 32 columns): half the barriers of 32-key
+    # tiles at the same register count; H200 (scripts/tune_fa2.py, session 8): 309-329 TF/s vs 306-313
+    # for 128 x 32, torch flash 347-359 non-causal.
+    128: Fa2Tiles(block_m=128, block_n=64, warps=4, compute_n=32),
     192: Fa2Tiles(block_m=64, block_n=32, warps=4),
     256: Fa2Tiles(block_m=64, block_n=32, warps=4),
 }

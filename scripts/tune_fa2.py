@@ -21,11 +21,10 @@ from cuflash.compile_report import parse_ptxas_log
 T = heuristics.Fa2Tiles
 # (block_m, block_n, warps, compute_n, q_in_regs); the first of each row is the table's. All compile without
 # spills for sm_90a with NVRTC 13.5 and 13.0 (plain bf16 variant; bench/NOTES.md, "FA2 forward: static
-# analysis"). Rejected for spills: d = 128 (128, 64, 4, 32) (88-172 bytes), any compute_n < block_n
-# with the sub-step loop unrolled.
+# analysis"). Rejected for spills: any compute_n < block_n with the sub-step loop unrolled.
 CANDIDATES = {
     64: [T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, True), T(128, 128, 4, 64, False)],
-    128: [T(128, 32, 4, 0, False), T(128, 64, 4, 32, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False),
+    128: [T(128, 64, 4, 32, False), T(128, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False),
           T(64, 64, 4, 32, False)],
     256: [T(64, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 64, 8, 32, False), T(64, 64, 4, 32, False)],
 }
