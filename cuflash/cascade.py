@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numbers
 
-from . import api
+from . import _validate, api
 from ._interop import Call, Spec
 
 __all__ = ["cascade_attention"]
@@ -62,12 +62,7 @@ def cascade_attention(q, prefix_k, prefix_v, k_cache, v_cache, *, cache_seqlens,
         if not isinstance(check, bool):
             raise TypeError(f"check must be a bool; got {type(check).__name__}")
         seqlens = arr.get("cache_seqlens", cache_seqlens)
-        seqlen_q = spec["q"].shape[1]
-        if causal and check and seqlen_q > 1:
-            lens = seqlens.get() if "cache_seqlens" in arr else [int(cache_seqlens)]
-            if len(lens) and int(min(lens)) < seqlen_q - 1:
-                raise ValueError(f"cache_seqlens must be >= seqlen_q - 1 = {seqlen_q - 1} for causal cascade "
-                                 f"attention (a query must see the whole prefix); got min {int(min(lens))}")
+        check_suffix(spec, arr, cache_seqlens, softmax_scale, causal, check)
         import cupy
 
         from ._device import device_properties
@@ -108,6 +103,32 @@ def check_prefix(q: Spec, prefix_k: Spec, prefix_v: Spec) -> None:
         raise ValueError(f"prefix_k's head dim must be q's ({headdim}); got {d}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"prefix_k's kv_heads must divide q's heads ({heads}); got {kv_heads}")
+
+
+def check_suffix(spec: dict, arr: dict, cache_seqlens, softmax_scale, causal, check: bool) -> None:
+    """Every argument of the suffix's flash_attn_with_kvcache call, checked before the prefix pass launches
+    anything (that call checks them again, but only after the prefix's kernels ran): the caches, lengths and
+    page table as that call checks them (their values too with ``check``), the scale, ``causal``, and with
+    ``causal`` that each entry's suffix lets every query see the whole prefix."""
+    dims = _validate.check_kvcache(spec["q"], spec["k_cache"], spec["v_cache"], None, None,
+                                   spec.get("cache_seqlens", cache_seqlens), spec.get("page_table"), None, None, None)
+    from . import decode
+
+    if dims.headdim not in decode.HEADDIMS:
+        raise ValueError(f"cascade_attention: head dim {dims.headdim} is not supported (the suffix runs on "
+                         f"flash_attn_with_kvcache; supported: {list(decode.HEADDIMS)})")
+    _validate.softmax_scale_or_default(softmax_scale, dims.headdim)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if not check:
+        return
+    lens = arr["cache_seqlens"].get() if "cache_seqlens" in arr else [int(cache_seqlens)] * dims.batch
+    pages = arr["page_table"].get() if "page_table" in arr else None
+    _validate.check_kvcache_values(dims, lens, pages, None, None, 0)
+    seqlen_q = dims.seqlen_q
+    if causal and seqlen_q > 1 and int(min(lens)) < seqlen_q - 1:
+        raise ValueError(f"cache_seqlens must be >= seqlen_q - 1 = {seqlen_q - 1} for causal cascade "
+                         f"attention (a query must see the whole prefix); got min {int(min(lens))}")
 
 
 def merge_prefix_and_suffix(q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens, page_table, softmax_scale,

@@ -4,6 +4,7 @@ pass, the LSE layouts, the merge) run with NumPy references in place of the kern
 the concatenated keys; the choice between the two prefix paths and the chunk length; its prefix checks."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import sys
 from unittest import mock
@@ -11,9 +12,11 @@ from unittest import mock
 import numpy as np
 import pytest
 
+import cuflash
 from cuflash import _device, cascade, decode, fa2, heuristics
 from cuflash import reference as ref
 from cascade_cases import CASES, cascade_inputs
+from test_decode_cpu import vals
 from test_bad_input_table import Case, _ReachedKernel, _SpecCall, check_refused, spec, spec_env  # noqa: F401 (fixture)
 
 
@@ -222,12 +225,16 @@ def _cascade_on_specs(monkeypatch):
     monkeypatch.setattr(cascade, "Call", _SpecCall)
 
 
-def _cascade_call(q=(2, 1, 8, 128), pk=(100, 2, 128), pv=(100, 2, 128), pdtype="bfloat16", **kw):
-    args = dict(cache_seqlens=spec((2,), "int32"))
+def _cascade_call(q=(2, 1, 8, 128), pk=(100, 2, 128), pv=(100, 2, 128), pdtype="bfloat16", kc=(2, 64, 2, 128),
+                  vc=(2, 64, 2, 128), cdtype="bfloat16", **kw):
+    args = dict(cache_seqlens=vals([5, 7]))
     args.update(kw)
-    return lambda: cascade.cascade_attention(spec(q), spec(pk, pdtype), spec(pv, pdtype), spec((2, 64, 2, 128)),
-                                             spec((2, 64, 2, 128)), **args)
+    return lambda: cascade.cascade_attention(spec(q), spec(pk, pdtype), spec(pv, pdtype), spec(kc, cdtype),
+                                             spec(vc, cdtype), **args)
 
+
+PAGED = dict(kc=(8, 16, 2, 128), vc=(8, 16, 2, 128))  # 8 pages of 16 keys, 4 pages per entry
+TABLE = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 BAD = [
     Case("cascade_attention", "q", "rank_3", "spec", _cascade_call(q=(2, 8, 128)), ValueError, ("4 dimensions",)),
@@ -245,9 +252,71 @@ BAD = [
     Case("cascade_attention", "check", "not_bool", "spec", _cascade_call(check=1), TypeError, ("bool",)),
     Case("cascade_attention", "cache_seqlens", "causal_short_suffix", "spec",
          _cascade_call(q=(2, 4, 8, 128), cache_seqlens=2, causal=True), ValueError, ("seqlen_q - 1",)),
+    Case("cascade_attention", "cache_seqlens", "causal_short_suffix_vector", "spec",
+         _cascade_call(q=(2, 4, 8, 128), cache_seqlens=vals([5, 2]), causal=True), ValueError, ("seqlen_q - 1",)),
+    # the suffix's arguments: refused before the prefix pass launches anything (merge_prefix_and_suffix
+    # is the first step that touches the GPU; these rows fail if it is reached)
+    Case("cascade_attention", "k_cache", "rank_5", "spec", _cascade_call(kc=(2, 64, 2, 128, 1)), ValueError,
+         ("4 dimensions",)),
+    Case("cascade_attention", "k_cache", "dtype", "spec", _cascade_call(cdtype="float16"), TypeError, ("dtype",)),
+    Case("cascade_attention", "k_cache", "headdim", "spec", _cascade_call(kc=(2, 64, 2, 64), vc=(2, 64, 2, 64)), ValueError,
+         ("head dim",)),
+    Case("cascade_attention", "v_cache", "shape", "spec", _cascade_call(vc=(2, 32, 2, 128)), ValueError,
+         ("v_cache",)),
+    Case("cascade_attention", "k_cache", "batch", "spec", _cascade_call(kc=(3, 64, 2, 128), vc=(3, 64, 2, 128)),
+         ValueError, ("batch",)),
+    Case("cascade_attention", "cache_seqlens", "dtype", "spec", _cascade_call(cache_seqlens=vals([5, 7], "int64")),
+         TypeError, ("int32",)),
+    Case("cascade_attention", "cache_seqlens", "past_capacity", "spec", _cascade_call(cache_seqlens=vals([5, 65])),
+         ValueError, ("out of range",)),
+    Case("cascade_attention", "page_table", "dtype", "spec",
+         _cascade_call(page_table=vals(TABLE, "int64"), **PAGED), TypeError, ("int32",)),
+    Case("cascade_attention", "page_table", "page_out_of_range", "spec",
+         _cascade_call(page_table=vals([[0, 1, 2, 3], [4, 5, 8, 7]]), cache_seqlens=vals([5, 40]), **PAGED),
+         ValueError, ("out of range",)),
+    Case("cascade_attention", "softmax_scale", "negative", "spec", _cascade_call(softmax_scale=-1.0), ValueError,
+         ("positive",)),
+    Case("cascade_attention", "softmax_scale", "str", "spec", _cascade_call(softmax_scale="0.1"), TypeError,
+         ("float",)),
+    Case("cascade_attention", "causal", "not_bool", "spec", _cascade_call(causal=1), TypeError, ("bool",)),
 ]
 
 
+@pytest.fixture
+def _merge_is_a_kernel(monkeypatch):
+    """merge_prefix_and_suffix stands for the first launch: a bad-input row must be refused before it."""
+    def merge(*args, **kwargs):
+        raise _ReachedKernel("cascade.merge_prefix_and_suffix")
+
+    monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+
+
 @pytest.mark.parametrize("case", BAD, ids=[c.id for c in BAD])
-def test_bad_input(case, request):
+def test_bad_input(case, request, _merge_is_a_kernel):
     check_refused(case, request)
+
+
+def test_table_covers_every_argument():
+    unchecked = {"return_softmax_lse"}  # any value is fine (truthiness)
+    seen = {c.arg for c in BAD}
+    missing = [a for a in inspect.signature(cuflash.cascade_attention).parameters if a not in unchecked | seen]
+    assert not missing, f"no rows for cascade_attention({missing}=...)"
+    ids = [c.id for c in BAD]
+    assert len(ids) == len(set(ids)), "duplicate row ids"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(cache_seqlens=32),
+    dict(cache_seqlens=vals([0, 64])),  # an empty suffix; a full one
+    dict(page_table=vals(TABLE), cache_seqlens=vals([5, 64]), **PAGED),
+    dict(page_table=vals([[0, 1, 9, -1], [4, 5, 6, 7]]), cache_seqlens=vals([20, 7]), **PAGED),  # unused entries
+    dict(q=(2, 4, 8, 128), cache_seqlens=vals([3, 9]), causal=True, softmax_scale=0.5),
+    dict(cache_seqlens=vals([5, 65]), check=False),  # check=False reads no value
+])
+def test_good_calls_reach_the_merge(kw, request, _merge_is_a_kernel):
+    request.getfixturevalue("spec_env")
+    with pytest.raises(_ReachedKernel):
+        _cascade_call(**kw)()
