@@ -106,8 +106,10 @@ FA2_BWD_TILES_PLAIN = {
 # of shared memory per MAC 0.181 -> ~0.13 at d = 128, 0.216 -> ~0.15 at d = 256). d = 128: 64 x 128, dQ
 # with 4 warp rows in 2 column chunks; d = 256: 64 x 64 (one Q / dO stage: 145 KB), S / dP in 2 chunks,
 # dQ in 4. With ALiBi or dropout alone NVRTC 13.0 spills 24-40 bytes at d = 256, so the feature variants
-# keep the general rows. Not yet measured (scripts/tune_fa2_bwd.py 128 256); predictions at N = 8k:
-# d = 128 186 -> 235-250 TF/s (0.60 -> 0.76-0.81 of torch flash), d = 256 125 -> 155-175 (0.50 -> 0.60-0.68).
+# keep the general rows. H200 (scripts/tune_fa2_bwd.py, session 8), N = 8k: d = 128 186 -> 253-267 TF/s
+# (0.60 -> 0.86-0.87 of torch flash; predicted 0.76-0.81), d = 256 125 -> 185-189 (0.48 -> 0.71-0.76;
+# predicted 0.60-0.68). Rejected: d = 128 with dQ in one chunk (+4 %, but 8 bytes spilled), d = 256 with
+# S / dP in one chunk (+5 %, 48 bytes spilled).
 FA2_BWD_TILES_PLAIN_SM90 = {
     128: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=1, q_split=2),
     256: Fa2BwdTiles(64, 64, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=4, s_split=2, q_split=4),
@@ -155,9 +157,10 @@ FA3_TILES_UNMASKED = {
 # where the softmax of a tile takes longer than its GEMMs: two warpgroups' softmaxes then run beside one's
 # GEMMs instead of one. Taken before the tables above, causal or not, except with softcap or GQA packing
 # (S 64 + P 32 + O 32 registers at 128 keys: the plain and varlen variants compile without spills under
-# NVRTC 13.5; softcap spills 32 bytes, packing 72; 192 keys make ptxas serialise the wgmma). Not yet
-# measured (scripts/fa3_tiles_probe.py); prediction d = 64 +6-12 % (N = 2k non-causal 421 -> 450-470
-# TF/s, cuDNN 465), less at N = 2k causal (192-row tiles cross the diagonal more).
+# NVRTC 13.5; softcap spills 32 bytes, packing 72; 192 keys make ptxas serialise the wgmma). H200
+# (scripts/fa3_tiles_probe.py, session 8; two warpgroups' best -> three): non-causal N = 2k 414 -> 461
+# TF/s, 8k 477 -> 514 (cuDNN 466, 487); causal 8k 426 -> 443, but 2k 348 -> 338 (192-row tiles cross the
+# diagonal more: short causal rows may want two).
 FA3_TILES_3WG = {
     64: Fa3Tiles(block_n=128, stages=2, consumers=3),
 }
