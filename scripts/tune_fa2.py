@@ -4,8 +4,11 @@
 
 Prints one line per (head dim, N, causal, config) at the FlashAttention benchmark shape (16k tokens,
 hidden 2048, bf16) for N = 2048 and 8192, with the config's registers / spill bytes from this machine's
-NVRTC (the table must not take a row that spills). Pick the fastest spill-free row per head dim and put it
-in heuristics.FA2_TILES (rows above 99 KB of shared memory need a per-arch table first: sm_86/sm_89).
+NVRTC (the table must not take a row that spills) and "err", the largest |O - torch flash's O| over the largest
+|O| (bf16 rounding: ~1e-2; WRONG marks a candidate that computes something else). Pick the fastest spill-free
+row per head dim and put it in heuristics.FA2_TILES (rows above 99 KB of shared memory need a per-arch table
+first: sm_86/sm_89; and with all of softcap, ALiBi and dropout fa2.fwd_tiles gives a block one warp per 16 rows,
+16 warps of at most 128 registers for 256-row tiles: compile-check those variants before taking such a row).
 """
 import sys
 
@@ -21,12 +24,16 @@ from cuflash.compile_report import parse_ptxas_log
 T = heuristics.Fa2Tiles
 # (block_m, block_n, warps, compute_n, q_in_regs); the first of each row is the table's. All compile without
 # spills for sm_90a with NVRTC 13.5 and 13.0 (plain bf16 variant; bench/NOTES.md, "FA2 forward: static
-# analysis"). Rejected for spills: any compute_n < block_n with the sub-step loop unrolled.
+# analysis" and "Session 8: FA2 tile candidates"). Rejected for spills: any compute_n < block_n with the
+# sub-step loop unrolled; Q in registers at d = 256 (44 bytes). d = 128: 256-row tiles of 8 warps (each warp
+# the table's 32 rows x 32 keys per step; one K/V tile feeds 8 warps instead of 4: half the K/V copies and
+# L2 reads per MAC, at one 8-warp block per SM instead of two 4-warp ones), with 64- and 128-key tiles; the
+# former table row 128 x 32 as a reference (session 8 measured the rest of the former list). d = 256: 128-row
+# tiles of 8 warps (FlashAttention-2's 128 x 64 on sm_90, and 128 x 32 at 128 KB).
 CANDIDATES = {
-    64: [T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, True), T(128, 128, 4, 64, False)],
-    128: [T(128, 64, 4, 32, False), T(128, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 128, 8, 64, False),
-          T(64, 64, 4, 32, False)],
-    256: [T(64, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 64, 8, 32, False), T(64, 64, 4, 32, False)],
+    64: [T(128, 128, 4, 64, True), T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, False)],
+    128: [T(128, 64, 4, 32, False), T(256, 64, 8, 32, False), T(256, 128, 8, 32, False), T(128, 32, 4, 0, False)],
+    256: [T(64, 32, 4, 0, False), T(128, 64, 8, 0, False), T(128, 64, 8, 32, False), T(128, 32, 8, 0, False)],
 }
 SEQLENS = (2048, 8192)
 
@@ -42,6 +49,24 @@ def torch_ms(q, k, v, causal, backend):
     tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
     with sdpa_kernel(getattr(SDPBackend, backend)):
         return median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal))
+
+
+def torch_flash_out(q, k, v, causal):
+    """torch flash's O as (batch, heads, seqlen, d)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+
+def out_error(ours, ref) -> float:
+    """Largest |ours - ref| over the largest |ref| (ours: cupy (b, n, h, d))."""
+    import torch
+
+    a, b = torch.from_dlpack(ours).transpose(1, 2).float(), ref.float()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 def use(d, tiles, arch=None):
@@ -67,12 +92,15 @@ def main():
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 peers = {name: torch_ms(q, k, v, causal, name) for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION")}
                 line = " ".join(f"{name[:5].lower()} {flops / t / 1e9:5.0f}" for name, t in peers.items())
+                ref = torch_flash_out(q, k, v, causal)
                 for tiles in CANDIDATES[d]:
                     regs, spill = use(d, tiles)
+                    err = out_error(cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"), ref)
                     t = median_ms(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"))
                     cfg = f"({tiles.block_m},{tiles.block_n},{tiles.warps},{tiles.compute_n},{int(tiles.q_in_regs)})"
                     print(f"d={d} N={n} causal={causal!s:5} {cfg} regs {regs} spill {spill}: fa2 {flops / t / 1e9:5.0f}"
-                          f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash", flush=True)
+                          f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash | err {err:.1e}"
+                          f"{' WRONG' if err > 0.1 else ''}", flush=True)
 
 
 if __name__ == "__main__":

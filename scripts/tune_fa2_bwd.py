@@ -6,9 +6,11 @@ For each head dim, N = 2048 and 8192 (16k tokens, hidden 2048, bf16), causal and
 backward (SDPA FLASH_ATTENTION backend, autograd.grad) once, then cuflash's FA2 backward for every
 candidate Fa2BwdTiles, each line with its registers / spill bytes from this machine's NVRTC (a candidate
 that spills still runs; the table must not take it). TF/s by the bwd convention (2.5 x 4 B H N^2 d, halved
-when causal). Pick the fastest spill-free row per head dim and put it in heuristics.FA2_BWD_TILES (or
-FA2_BWD_TILES_PLAIN / FA2_BWD_TILES_PLAIN_SM90 when only the plain variant fits in registers, or only on
-sm_90).
+when causal), and "err": the largest |dq, dk, dv - torch's| over torch's largest |gradient| (bf16 rounding
+gives ~1e-2; a candidate marked WRONG computes something else and must not be taken, however fast). Pick
+the fastest spill-free row per head dim and put it in heuristics.FA2_BWD_TILES (or FA2_BWD_TILES_PLAIN /
+FA2_BWD_TILES_PLAIN_SM90 when only the plain variant fits in registers, or only on sm_90: every candidate
+above 99 KB of shared memory is sm_90-only).
 """
 import sys
 
@@ -23,20 +25,29 @@ from cuflash.compile_report import parse_ptxas_log
 
 T = heuristics.Fa2BwdTiles
 # (block_m, block_n, warps, q_stages, warps_s_m, warps_kv_n, warps_q_m, s_split, q_split); first = the table's
-# on sm_90 (FA2_BWD_TILES_PLAIN_SM90 at d = 128 and 256), second = the general row there.
+# on sm_90 (FA2_BWD_TILES_PLAIN at d = 64, FA2_BWD_TILES_PLAIN_SM90 at d = 128 and 256), second = the general
+# row (what sm_80 and the softcap / ALiBi / dropout variants run). Every row compiles without spills for sm_90a
+# (plain variant, bf16 and fp16) under NVRTC 13.0 and 13.5; registers, shared memory, the reasoning and a
+# prediction for each: bench/NOTES.md, "Session 8: FA2 tile candidates (compile-checked, not measured)".
+# d = 64: FlashAttention-2's 128 x 128 (S / dP 32 x 64 per warp), the same in two S chunks, and 64 x 256
+# (half the Q / dO passes and dQ atomics per key; dK / dV 64 x 32 per warp). d = 128: session 8 ran the rest
+# of its former list and took the table's row (the fastest without spills); only it and the general row stay.
+# d = 256: the table's 64 x 64 with two Q / dO stages (210 KB: the next Q / dO tiles stream in under this
+# block instead of after a barrier), then also S / dP in one 32 x 16 chunk per warp (warps_s_m = 2; the
+# one-chunk 16 x 32 layout spilled under NVRTC 13.0), then also dQ in 16 x 64 chunks.
 CANDIDATES = {
-    64: [T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1), T(128, 128, 8, 2, 4, 4, 4, 2, 1),
-         T(128, 128, 8, 2, 4, 4, 4, 1, 1)],
-    128: [T(64, 128, 8, 2, 2, 4, 4, 1, 2), T(64, 64, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 4, 1, 4),
-          T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(128, 64, 8, 2, 4, 2, 4, 1, 1)],
-    256: [T(64, 64, 8, 1, 4, 2, 4, 2, 4), T(64, 32, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 1, 4, 2, 2, 1, 2),
-          T(64, 32, 8, 2, 4, 2, 2, 1, 2)],
+    64: [T(64, 128, 8, 2, 2, 4, 2, 1, 1), T(64, 128, 8, 2, 2, 4, 2, 2, 1), T(128, 128, 8, 2, 4, 4, 4, 1, 1),
+         T(128, 128, 8, 2, 4, 4, 4, 2, 1), T(64, 256, 8, 2, 2, 4, 4, 2, 1)],
+    128: [T(64, 128, 8, 2, 2, 4, 4, 1, 2), T(64, 64, 8, 2, 2, 4, 2, 1, 1)],
+    256: [T(64, 64, 8, 1, 4, 2, 4, 2, 4), T(64, 32, 8, 1, 4, 2, 2, 1, 2), T(64, 64, 8, 2, 4, 2, 4, 2, 4),
+          T(64, 64, 8, 2, 2, 2, 4, 1, 4), T(64, 64, 8, 2, 2, 2, 4, 1, 2)],
 }
 SEQLENS = (2048, 8192)
 REPS = 20
 
 
-def torch_flash_bwd_ms(q, k, v, dout, causal):
+def torch_flash_bwd(q, k, v, dout, causal):
+    """(milliseconds of torch flash's backward, its (dq, dk, dv) as (batch, heads, seqlen, d) tensors)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -44,7 +55,20 @@ def torch_flash_bwd_ms(q, k, v, dout, causal):
     tq, tk, tv = (x.detach().requires_grad_() for x in (tq, tk, tv))
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-        return time_fn(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True), 3, REPS)
+        ms = time_fn(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True), 3, REPS)
+        return ms, torch.autograd.grad(o, (tq, tk, tv), tdo)
+
+
+def grad_error(ours, ref) -> float:
+    """Largest |ours - ref| over the largest |ref|, the worst of dq, dk, dv (ours: cupy (b, n, h, d))."""
+    import torch
+
+    worst = 0.0
+    for a, b in zip(ours, ref):
+        a = torch.from_dlpack(a).transpose(1, 2).float()
+        b = b.float()
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return worst
 
 
 def use(d, tiles):
@@ -68,10 +92,12 @@ def main():
                              for _ in range(4))
             for causal in (False, True):
                 flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-                torch_ms = torch_flash_bwd_ms(q, k, v, dout, causal)
+                torch_ms, ref = torch_flash_bwd(q, k, v, dout, causal)
                 out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, return_lse=True, impl="fa2")
                 for tiles in CANDIDATES[d]:
                     regs, spill = use(d, tiles)
+                    err = grad_error(cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, impl="fa2"),
+                                     ref)
                     ms = time_fn(lambda: cuflash.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
                                                                      impl="fa2"), 3, REPS)
                     cfg = ",".join(str(x) for x in (tiles.block_m, tiles.block_n, tiles.warps, tiles.q_stages,
@@ -79,7 +105,7 @@ def main():
                                                     tiles.s_split, tiles.q_split))
                     print(f"d={d} N={n} causal={causal!s:5} ({cfg}) regs {regs} spill {spill}: "
                           f"fa2 bwd {flops / ms / 1e9:5.0f} TF/s | torch flash {flops / torch_ms / 1e9:5.0f}"
-                          f" | x{torch_ms / ms:.2f}", flush=True)
+                          f" | x{torch_ms / ms:.2f} | err {err:.1e}{' WRONG' if err > 0.1 else ''}", flush=True)
 
 
 if __name__ == "__main__":
