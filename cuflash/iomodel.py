@@ -36,6 +36,33 @@ and tile sizes (``cuflash.heuristics`` by default):
     So the re-read part is B·H·Sq·Sk·(2·e·d + 8·d + 8) / BLOCK_N (·≈½ causal). FA1 always loads K/V;
     FA2 skips a K block no query sees. FA1's tiles: BLOCK_M = BLOCK_N = 16·bwd_key_warps.
 
+``fa3`` forward -- kernels_cu/fa3/fwd.cu, tiles as ``cuflash.fa3.forward`` picks them (``fa3.fwd_tiles``:
+    BLOCK_M = 64 × consumer warpgroups, 128, or 192 at d = 64; the unmasked table's BLOCK_N without a
+    mask). A persistent grid of about one block per SM walks the tiles; per tile the producer TMA-loads Q
+    once (not for a tile that sees no key) and the K/V tiles of ``kv_block_range``, as FA2's blocks do,
+    and the epilogue writes O and the fp32 LSE. TMA never reads past a tensor's edge (rows past a sequence,
+    the padding columns of d = 96): real rows and d columns only. With GQA packing (``fa3.pack_gqa``: few
+    query rows) a tile holds BLOCK_M (query, head) rows of one KV head's group, BLOCK_M/g queries of all g
+    heads, so the group shares each K/V tile: K+V ≈ 2·e·B·Hkv·⌈g·Sq/BLOCK_M⌉·Sk·d. The wave bound follows
+    the tile scheduler (common/tile_scheduler.cuh): rounds of ``wave_blocks`` tiles (the grid) in its L2
+    section order, last query blocks first.
+
+``fa3`` backward -- FA2's three kernels with FA3's main kernel (fa3/bwd.cu; fa3/bwd_wide.cu above d = 128):
+    one block per (batch, KV head, K block of BLOCK_N = ``fa3.bwd_block_n``: 128 keys, 64 above d = 128)
+    loads K and V once (not when no Q block sees them) and streams (Q, dO) blocks of 64 rows with their LSE
+    and D rows. Those come from copies in rows padded to a multiple of 64 (``bwd_preprocess`` also reads the
+    LSE and writes ``lse_rows``), loaded as whole 64-row blocks. dQ tiles go to the fp32 accumulator by TMA
+    reduce-add (a read and a write per visit, as FA2's atomics); dK, dV are summed over the group in
+    registers and written once. The deterministic mode's counters are not counted.
+
+``decode`` -- ``flash_attn_with_kvcache`` on a contiguous cache that already holds the keys (kv_append and
+    q_rotary are not counted), every entry with Sk keys, Sq new queries (1 for plain decoding): ``decode_fwd``
+    runs one block per (split, 16-row block, KV head, batch), the rows being the group's heads × the queries.
+    Each block reads its Q rows and its split's run of K/V tiles (``reference.decode_split_tiles``), so with
+    g·Sq <= 16 K and V are read exactly once; one split writes O and LSE, several write fp32 partial O and
+    LSE that ``attn_combine`` reads (the partial rows of splits whose LSE is finite) and merges into O and
+    LSE. ``num_splits`` defaults to ``heuristics.decode_num_splits`` for ``num_sms`` SMs (132: H200).
+
 Two bounds
 ----------
 ``hbm_bytes`` (the prediction) assumes *no L2 reuse between thread blocks or passes*: every tile a block
@@ -58,7 +85,10 @@ each per visited tile pair -- whole tiles, masked-out elements and padding rows 
 does 5 products per visited pair: S = QKᵀ (recomputed), dP = dO·Vᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q,
 dQ += dS·K, 5·2·BLOCK_M·BLOCK_N·d = 2.5× the forward; FA1 with ``bwd_d_split`` > 1 recomputes S and dP
 in each of its d_split warps, (4·d_split + 6)·BLOCK_M·BLOCK_N·d per pair. The naive attention computes
-the full Sq × Sk matrices: 4·B·H·Sq·Sk·d forward, 10·B·H·Sq·Sk·d backward. ``flops_useful`` counts only
+the full Sq × Sk matrices: 4·B·H·Sq·Sk·d forward, 10·B·H·Sq·Sk·d backward. FA3 runs its products over
+whole 128-byte atoms: the forward's P·V over d padded to 64 columns (d = 96: 2·BLOCK_M·BLOCK_N·(96 + 128) per
+pair), the backward's five over 64-column atoms, 256 columns in bwd_wide.cu (d = 192 as 256). Decode runs
+S and P·V on whole 16-row blocks: 4·16·BLOCK_N·d per visited tile of each block. ``flops_useful`` counts only
 visible (query, key) pairs: 4·d per pair forward, 10·d backward -- half of the full matrix (N(N+1)/2
 pairs) for causal Sq = Sk. ``arithmetic_intensity`` = flops_executed / hbm_bytes (FLOP per byte).
 """
@@ -69,12 +99,13 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from . import heuristics
-from .reference import kv_block_range
+from . import fa3, heuristics
+from ._validate import Dims, window_bounds
+from .reference import decode_split_tiles, kv_block_range
 
 __all__ = ["IMPLS", "DIRECTIONS", "predict", "q_block_range", "visible_pairs", "add_arguments", "run"]
 
-IMPLS = ("naive", "fa1", "fa2")
+IMPLS = ("naive", "fa1", "fa2", "fa3", "decode")
 DIRECTIONS = ("forward", "backward")
 NAIVE_MATMULS = ("cublas", "cupy")
 F32 = 4  # bytes of an fp32 element (LSE, D, the dQ accumulator, the naive softmax)
@@ -147,6 +178,13 @@ class _Shape:
     def mask_kw(self) -> dict:
         return {"seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k, "causal": self.causal,
                 "window_size": self.window}
+
+    def dims(self) -> Dims:  # for cuflash.fa3's choices (the dtype does not enter them)
+        return Dims(self.batch, self.seqlen_q, self.seqlen_k, self.heads, self.kv_heads, self.headdim, "bfloat16")
+
+    def fa3_unmasked(self) -> bool:
+        """No causal mask or window bounds the rows (FA3's tile choice and its scheduler's sections)."""
+        return fa3._unmasked(window_bounds(self.window, self.causal, self.dims()), self.dims())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -245,8 +283,8 @@ def visible_pairs(*, seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)) -> 
 # ----------------------------------------------------------------------------------------------------
 
 def _flash_forward(name: str, s: _Shape, bm: int, bn: int, *, load_q_when_empty: bool, reverse: bool,
-                   wave_blocks) -> tuple[list[_Kernel], int, int]:
-    """The forward kernel. Returns (kernels, quadratic bytes, visited tile pairs per (batch, head))."""
+                   wave_blocks) -> tuple[list[_Kernel], int, int, int]:
+    """The forward kernel. Returns (kernels, quadratic bytes, visited and all tile pairs per (batch, head))."""
     d, e = s.headdim, s.e
     ranges = _kv_ranges(s, bm, bn)
     n_m = len(ranges)
@@ -276,16 +314,82 @@ def _flash_forward(name: str, s: _Shape, bm: int, bn: int, *, load_q_when_empty:
     k.read("v", bh * kv_rows * d * e, kv_min * d * e)
     k.write("o", bh * s.seqlen_q * d * e)
     k.write("lse", bh * s.seqlen_q * F32)
-    return [k], 2 * bh * kv_rows * d * e, pairs
+    return [k], 2 * bh * kv_rows * d * e, pairs, n_m * _cdiv(s.seqlen_k, bn)
 
 
-def _preprocess(s: _Shape) -> _Kernel:
+def _atom_cols(d: int) -> int:
+    """Columns of a 16-bit tile row of whole 128-byte atoms (FA3: d = 96 is stored and multiplied as 128)."""
+    return _cdiv(d, 64) * 64
+
+
+def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool):
+    """(m_block, head, batch) of each tile in TileScheduler's linear order (kernels_cu/common/tile_scheduler.cuh).
+    Round r of the persistent grid runs tiles [r·grid, (r + 1)·grid), one per block (the serpentine only
+    permutes a round), so waves of ``grid`` tiles. Sections of (head, batch) pairs come one after the other,
+    each from its last query block down, its heads fastest; the section size is fwd.cu's ``l2_section``."""
+    pairs = heads * s.batch
+    if not s.fa3_unmasked() and 2 * pairs < grid:
+        section = pairs
+    else:  # l2_section_heads: as many pairs as fit their K and V in 32 MB, a power of two
+        kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
+        fit, section = (32 << 20) // max(kv_bytes, 1), 1
+        while section * 2 <= fit and section < (1 << 20):
+            section *= 2
+    per_section = section * m_blocks
+    for index in range(m_blocks * pairs):
+        first_pair = index // per_section * section
+        width = min(section, pairs - first_pair)
+        rest = index - first_pair * m_blocks
+        pair = first_pair + rest % width
+        yield m_blocks - 1 - rest // width, pair % heads, pair // heads
+
+
+def _fa3_forward(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], int, int, int]:
+    """kernels_cu/fa3/fwd.cu. Returns (kernels, quadratic bytes, visited and all tile pairs per (batch, tile
+    head): per (batch, head), or per (batch, KV head) with GQA packing)."""
+    d, e, g = s.headdim, s.e, s.group
+    bm, bn, pack = tiles["block_m"], tiles["block_n"], tiles["pack_gqa"]
+    rows = bm // g if pack else bm  # queries per tile: packed, the group's g heads share the tile's rows
+    tile_heads = s.kv_heads if pack else s.heads
+    ranges = _kv_ranges(s, rows, bn)
+    n_m = len(ranges)
+    q_rows = kv_rows = pairs = 0
+    for m, (lo, hi) in enumerate(ranges):
+        if hi > lo:  # a tile that sees no key loads no Q (it writes O = 0, LSE = -inf)
+            q_rows += min(rows, s.seqlen_q - m * rows)
+        kv_rows += _real_rows(lo, hi, bn, s.seqlen_k)
+        pairs += max(0, hi - lo)
+    n_tiles = s.batch * tile_heads * n_m
+
+    if wave_blocks is None:  # one wave: every tile of a KV head reads from the same union
+        kv_min = _distinct_rows([[(0, *r) for r in ranges]], None, bn, s.seqlen_k) * s.batch * s.kv_heads
+    else:
+        grid = min(n_tiles, wave_blocks)
+        order = _fa3_tile_order(s, n_m, tile_heads, grid, pack)
+        kv_min = _distinct_rows(([((b, h if pack else h // g), *ranges[m])] for m, h, b in order), grid, bn,
+                                s.seqlen_k)
+
+    # blocks: the tiles (the persistent grid, about one block per SM, walks them)
+    k = _Kernel("fa3_fwd", blocks=n_tiles, flops=s.batch * tile_heads * pairs * 2 * bm * bn * (d + _atom_cols(d)))
+    k.read("q", s.batch * s.heads * q_rows * d * e)  # packed: g heads x the tile's queries
+    k.read("k", s.batch * tile_heads * kv_rows * d * e, kv_min * d * e)
+    k.read("v", s.batch * tile_heads * kv_rows * d * e, kv_min * d * e)
+    k.write("o", s.batch * s.heads * s.seqlen_q * d * e)
+    k.write("lse", s.batch * s.heads * s.seqlen_q * F32)
+    return [k], 2 * s.batch * tile_heads * kv_rows * d * e, pairs, n_m * _cdiv(s.seqlen_k, bn)
+
+
+def _preprocess(s: _Shape, copy_lse: bool = False) -> _Kernel:
+    """bwd_preprocess; ``copy_lse``: FA3's, which also copies the LSE into padded rows beside D."""
     rows = s.batch * s.heads * s.seqlen_q
     k = _Kernel("bwd_preprocess", blocks=_cdiv(rows, 4))
     k.read("o", rows * s.headdim * s.e)
     k.read("do", rows * s.headdim * s.e)
     k.write("dsum", rows * F32)
     k.write("dq_accum", rows * s.headdim * F32)
+    if copy_lse:
+        k.read("lse", rows * F32)
+        k.write("lse_rows", rows * F32)
     return k
 
 
@@ -298,8 +402,10 @@ def _convert_dq(s: _Shape) -> _Kernel:
 
 
 def _flash_backward(name: str, s: _Shape, bm: int, bn: int, *, flops_per_pair: int, load_kv_when_empty: bool,
-                    wave_blocks) -> tuple[list[_Kernel], int, int]:
-    """Preprocess, main kernel, dQ conversion. Returns (kernels, quadratic bytes, visited pairs per (b, h))."""
+                    wave_blocks, padded_rows: bool = False) -> tuple[list[_Kernel], int, int, int]:
+    """Preprocess, main kernel, dQ conversion. ``flops_per_pair``: per (Q block, K block, query head).
+    ``padded_rows``: FA3's LSE and D, read as whole BLOCK_M-row blocks of the preprocess's padded copies.
+    Returns (kernels, quadratic bytes, visited and all tile pairs per (batch, head))."""
     d, e = s.headdim, s.e
     ranges = _q_ranges(s, bm, bn)
     n_n = len(ranges)
@@ -311,6 +417,9 @@ def _flash_backward(name: str, s: _Shape, bm: int, bn: int, *, flops_per_pair: i
         q_rows += _real_rows(lo, hi, bm, s.seqlen_q)
         pairs += max(0, hi - lo)
     q_rows_all = q_rows * s.heads * s.batch  # each query head of the group walks the same Q blocks
+    # LSE and D rows per visit: the real rows, or FA3's whole padded blocks
+    pitch = _cdiv(s.seqlen_q, bm) * bm if padded_rows else s.seqlen_q
+    stat_rows_all = pairs * bm * s.heads * s.batch if padded_rows else q_rows_all
 
     def blocks(batch, kv_heads):  # launch order: blockIdx.x (K block) fastest, then KV head, then batch
         for b in range(batch):
@@ -318,24 +427,115 @@ def _flash_backward(name: str, s: _Shape, bm: int, bn: int, *, flops_per_pair: i
                 for n in range(n_n):
                     yield [((b, hq), *ranges[n]) for hq in range(kvh * s.group, (kvh + 1) * s.group)]
 
-    if wave_blocks is None:
-        q_min = _distinct_rows(blocks(1, 1), None, bm, s.seqlen_q) * bkv
-    else:
-        q_min = _distinct_rows(blocks(s.batch, s.kv_heads), wave_blocks, bm, s.seqlen_q)
+    def distinct(seqlen):
+        if wave_blocks is None:
+            return _distinct_rows(blocks(1, 1), None, bm, seqlen) * bkv
+        return _distinct_rows(blocks(s.batch, s.kv_heads), wave_blocks, bm, seqlen)
 
-    main = _Kernel(name, blocks=bkv * n_n, flops=s.batch * s.heads * pairs * flops_per_pair * bm * bn * d)
+    q_min = distinct(s.seqlen_q)
+    stat_min = distinct(pitch) if padded_rows else q_min
+    stat = "lse_rows" if padded_rows else "lse"
+
+    main = _Kernel(name, blocks=bkv * n_n, flops=s.batch * s.heads * pairs * flops_per_pair)
     main.read("k", bkv * kv_rows * d * e)
     main.read("v", bkv * kv_rows * d * e)
     main.read("q", q_rows_all * d * e, q_min * d * e)
     main.read("do", q_rows_all * d * e, q_min * d * e)
-    main.read("lse", q_rows_all * F32, q_min * F32)
-    main.read("dsum", q_rows_all * F32, q_min * F32)
-    main.read("dq_accum", q_rows_all * d * F32, q_min * d * F32)  # fp32 atomics: read-modify-write
+    main.read(stat, stat_rows_all * F32, stat_min * F32)
+    main.read("dsum", stat_rows_all * F32, stat_min * F32)
+    # fp32 atomics (FA1, FA2) or TMA reduce-adds (FA3): a read-modify-write of the accumulator rows
+    main.read("dq_accum", q_rows_all * d * F32, q_min * d * F32)
     main.write("dq_accum", q_rows_all * d * F32, q_min * d * F32)
     main.write("dk", bkv * s.seqlen_k * d * e)
     main.write("dv", bkv * s.seqlen_k * d * e)
-    quadratic = q_rows_all * (2 * d * e + 2 * F32 + 2 * d * F32)
-    return [_preprocess(s), main, _convert_dq(s)], quadratic, pairs
+    quadratic = q_rows_all * (2 * d * e + 2 * d * F32) + 2 * stat_rows_all * F32
+    kernels = [_preprocess(s, copy_lse=padded_rows), main, _convert_dq(s)]
+    return kernels, quadratic, pairs, n_n * _cdiv(s.seqlen_q, bm)
+
+
+def _fa3_backward(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], int, int, int]:
+    """kernels_cu/fa3/bwd.cu (bwd_wide.cu above d = 128) between the common preprocess and dQ conversion."""
+    bm, bn = tiles["block_m"], tiles["block_n"]
+    wide = s.headdim > 128
+    cols = 256 if wide else _atom_cols(s.headdim)  # the five products run over whole atoms; bwd_wide over 256
+    return _flash_backward("fa3_bwd_wide" if wide else "fa3_bwd", s, bm, bn, flops_per_pair=10 * bm * bn * cols,
+                           load_kv_when_empty=False, wave_blocks=wave_blocks, padded_rows=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode (flash_attn_with_kvcache: kernels_cu/decode/fwd.cu and combine.cu)
+# ----------------------------------------------------------------------------------------------------
+
+def _key_span(s: _Shape, i_first: int, i_last: int) -> tuple[int, int]:
+    """Keys that query rows i_first..i_last see, (first, last) inclusive (last < first: none), bottom-right
+    aligned as kernels_cu/common/mask.cuh."""
+    left, right = s.window
+    if s.causal:
+        right = 0
+    diag = s.seqlen_k - s.seqlen_q
+    first = 0 if left < 0 else max(0, i_first + diag - left)
+    last = s.seqlen_k - 1 if right < 0 else min(s.seqlen_k - 1, i_last + diag + right)
+    return first, last
+
+
+def _decode(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], int, int, int]:
+    """decode_fwd, and attn_combine with several splits. Returns (kernels, quadratic bytes, visited and all
+    tile pairs per (batch, KV head): the 16-row blocks x the K/V tiles their splits stream)."""
+    d, e, g = s.headdim, s.e, s.group
+    bm, bn, splits = tiles["block_m"], tiles["block_n"], tiles["num_splits"]
+    rows = g * s.seqlen_q  # packed rows of a (batch, KV head): query r // g of head r % g of the group
+    m_blocks = _cdiv(rows, bm)
+    runs = []  # (m_block, first tile, end tile) of each block of a (batch, KV head), in launch order
+    q_rows = kv_rows = pairs = partial_rows = 0
+    for m in range(m_blocks):
+        real = min(bm, rows - m * bm)
+        first, last = _key_span(s, m * bm // g, (m * bm + real - 1) // g)
+        for split in range(splits):  # blockIdx.x = m_block * num_splits + split
+            lo, hi = decode_split_tiles(split, splits, first, last, bn)
+            runs.append((m, lo, hi))
+            q_rows += real  # every split loads the block's Q rows
+            kv_rows += _real_rows(lo, hi, bn, s.seqlen_k)
+            pairs += hi - lo
+            if splits > 1:  # the combine reads a split's partial row when its LSE is finite: the row sees a key
+                run_last = min(hi * bn, s.seqlen_k) - 1
+                for r in range(m * bm, m * bm + real):
+                    vis_first, vis_last = _key_span(s, r // g, r // g)
+                    partial_rows += max(vis_first, lo * bn) <= min(vis_last, run_last)
+    bkv = s.batch * s.kv_heads
+
+    def blocks(batch, kv_heads, rows_of):  # launch order: blockIdx.x fastest, then KV head, then batch
+        for b in range(batch):
+            for h in range(kv_heads):
+                for run in runs:
+                    yield [((b, h), *rows_of(run))]
+
+    def distinct(rows_of, block, seqlen):
+        if wave_blocks is None:
+            return _distinct_rows(blocks(1, 1, rows_of), None, block, seqlen) * bkv
+        return _distinct_rows(blocks(s.batch, s.kv_heads, rows_of), wave_blocks, block, seqlen)
+
+    kv_min = distinct(lambda run: run[1:], bn, s.seqlen_k)
+    q_min = distinct(lambda run: (run[0], run[0] + 1), bm, rows)
+
+    out_rows = s.batch * s.heads * s.seqlen_q
+    fwd = _Kernel("decode_fwd", blocks=bkv * len(runs), flops=bkv * pairs * 4 * bm * bn * d)
+    fwd.read("q", bkv * q_rows * d * e, q_min * d * e)
+    fwd.read("k", bkv * kv_rows * d * e, kv_min * d * e)
+    fwd.read("v", bkv * kv_rows * d * e, kv_min * d * e)
+    kernels = [fwd]
+    if splits == 1:
+        fwd.write("o", out_rows * d * e)
+        fwd.write("lse", out_rows * F32)
+    else:  # every split writes all its rows (0 and -inf when it sees nothing)
+        fwd.write("o_partial", splits * out_rows * d * F32)
+        fwd.write("lse_partial", splits * out_rows * F32)
+        combine = _Kernel("attn_combine", blocks=_cdiv(out_rows, 4))
+        combine.read("lse_partial", splits * out_rows * F32)
+        combine.read("o_partial", bkv * partial_rows * d * F32)
+        combine.write("o", out_rows * d * e)
+        combine.write("lse", out_rows * F32)
+        kernels.append(combine)
+    return kernels, 2 * bkv * kv_rows * d * e, pairs, m_blocks * _cdiv(s.seqlen_k, bn)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -519,6 +719,39 @@ def _tiles(impl: str, direction: str, headdim: int, block_m, block_n) -> dict:
     return {"block_m": block_m or row.block_m, "block_n": block_n or row.block_n}
 
 
+def _fa3_tiles(direction: str, s: _Shape, block_m, block_n) -> dict:
+    """FA3's tiles as cuflash.fa3's launchers pick them for this shape, overridden where given."""
+    d = s.headdim
+    table = fa3.HEADDIMS if direction == "forward" else fa3.BWD_HEADDIMS
+    if d not in table and (block_m is None or block_n is None):
+        raise ValueError(f"fa3 has no {direction} tiles for head dim {d} (table: {sorted(table)}); "
+                         f"pass block_m= and block_n=")
+    if direction == "backward":
+        return {"block_m": block_m or fa3.BWD_BLOCK_M, "block_n": block_n or fa3.bwd_block_n(d)}
+    pack = fa3.pack_gqa(s.dims(), varlen=False)
+    if d in table:
+        t = fa3.fwd_tiles(d, unmasked=s.fa3_unmasked(), pack_gqa=pack)
+        block_m, block_n = block_m or fa3.fwd_block_m(t), block_n or t.block_n
+    if pack and block_m % s.group:
+        raise ValueError(f"a GQA-packed FA3 tile holds whole groups: block_m ({block_m}) must be a multiple of "
+                         f"heads / kv_heads ({s.group})")
+    return {"block_m": block_m, "block_n": block_n, "pack_gqa": pack}
+
+
+def _decode_tiles(s: _Shape, block_m, block_n, num_splits, num_sms: int) -> dict:
+    """The decode kernel's tiles (heuristics.DECODE_TILES) and split count (the given one, else
+    heuristics.decode_num_splits for ``num_sms`` SMs, as flash_attn_with_kvcache(num_splits=0))."""
+    row = heuristics.DECODE_TILES.get(s.headdim)
+    if row is None and block_n is None:
+        raise ValueError(f"decode has no tiles for head dim {s.headdim} (table: {sorted(heuristics.DECODE_TILES)}); "
+                         f"pass block_n=")
+    block_m, block_n = block_m or heuristics.DECODE_BLOCK_M, block_n or row.block_n
+    if num_splits is None:
+        m_blocks = _cdiv(s.group * s.seqlen_q, block_m)
+        num_splits = heuristics.decode_num_splits(s.batch, s.kv_heads, m_blocks, s.seqlen_k, block_n, num_sms)
+    return {"block_m": block_m, "block_n": block_n, "num_splits": num_splits}
+
+
 def _positive(name, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
@@ -531,33 +764,53 @@ def _formula(impl: str, direction: str, s: _Shape, tiles: dict, naive_per_score:
     if impl == "naive":
         return (f"≈ {naive_per_score:g}·B·H·Sq·Sk (bytes per score: the S/P passes in the input dtype and in "
                 f"fp32) + O(B·H·N·d), e = {s.e} -- Θ(N·d + N²)")
+    if impl == "decode":
+        n = tiles["num_splits"]
+        partials = (f"; {n} splits: fp32 partial O and LSE written and read by the combine, "
+                    f"≤ 2·{n}·B·H·Sq·(4·d + 4)" if n > 1 else "")
+        return (f"K,V 2·e·B·Hkv·⌈g·Sq/16⌉·Sk·d (each 16-row block of the group's heads × queries reads its "
+                f"keys once: with g·Sq ≤ 16 the cache once){half}; Q e·B·H·Sq·d per split; O, LSE: "
+                f"(e·d + 4)·B·H·Sq{partials} (e = {s.e}, g = {s.group}) -- memory-bound, Θ(Sk·d) per KV head")
     if direction == "forward":
-        return (f"K,V re-reads 2·e·B·H·⌈Sq/BLOCK_M⌉·Sk·d ≈ 2·e·B·H·Sq·Sk·d/BLOCK_M{half}; "
+        packed = impl == "fa3" and tiles["pack_gqa"]
+        tiles_per_head = "Hkv·⌈g·Sq/BLOCK_M⌉" if packed else "H·⌈Sq/BLOCK_M⌉"
+        if packed:
+            half += f"; GQA packing: the g = {s.group} query heads of a KV head share each tile"
+        return (f"K,V re-reads 2·e·B·{tiles_per_head}·Sk·d ≈ 2·e·B·H·Sq·Sk·d/BLOCK_M{half}; "
                 f"Q, O: 2·e·B·H·Sq·d; LSE: 4·B·H·Sq (e = {s.e}, BLOCK_M = {tiles['block_m']}) -- Θ(N²·d²/M), "
                 f"M ∝ BLOCK_M·d")
-    return (f"Q, dO (2·e·d), dQ accumulator fp32 read+write (8·d), LSE and D (8) per visited row: "
+    stats, aux = "LSE and D (8) per visited row", "(3·e + 8)·d + 4"
+    if impl == "fa3":  # LSE and D from the preprocess's padded copies, whole 64-row blocks
+        stats, aux = "LSE and D (8) per row of each visited padded block", "(3·e + 8)·d + 12"
+    return (f"Q, dO (2·e·d), dQ accumulator fp32 read+write (8·d) per visited row, {stats}: "
             f"≈ B·H·Sq·Sk·(2·e·d + 8·d + 8)/BLOCK_N{half}; K, V, dK, dV: 4·e·B·Hkv·Sk·d; preprocess + dQ "
-            f"conversion: B·H·Sq·((3·e + 8)·d + 4) (e = {s.e}, BLOCK_N = {tiles['block_n']}) -- Θ(N²·d²/M), "
+            f"conversion: B·H·Sq·({aux}) (e = {s.e}, BLOCK_N = {tiles['block_n']}) -- Θ(N²·d²/M), "
             f"M ∝ BLOCK_N·d")
 
 
 def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, seqlen_q: int,
             seqlen_k: int | None = None, headdim: int, causal: bool = False, window_size=(-1, -1),
             dtype_bytes: int = 2, direction: str = "forward", block_m: int | None = None,
-            block_n: int | None = None, wave_blocks: int | None = None, naive_matmul: str = "cublas") -> dict:
+            block_n: int | None = None, wave_blocks: int | None = None, naive_matmul: str = "cublas",
+            num_splits: int | None = None, num_sms: int = 132) -> dict:
     """Predicted device-memory bytes and FLOPs of one ``impl`` call (see the module docstring).
 
-    ``impl``: "naive", "fa1" or "fa2"; ``direction``: "forward" or "backward". Tiles come from
-    ``cuflash.heuristics`` unless ``block_m`` / ``block_n`` override them. ``wave_blocks``: thread blocks
-    resident at once, for the lower bound (None: the whole grid). ``naive_matmul``: "cublas" (the bf16
-    path) or "cupy" (cupy.matmul, the fp16 path).
+    ``impl``: "naive", "fa1", "fa2", "fa3" or "decode" (forward only: ``flash_attn_with_kvcache``, Sq new
+    queries over a cache of Sk keys); ``direction``: "forward" or "backward". Tiles come from
+    ``cuflash.heuristics`` (FA3: as ``cuflash.fa3`` picks them for the shape) unless ``block_m`` /
+    ``block_n`` override them. ``wave_blocks``: thread blocks resident at once, for the lower bound (None:
+    the whole grid; FA3's forward: its persistent grid). ``naive_matmul``: "cublas" (the bf16 path) or
+    "cupy" (cupy.matmul, the fp16 path). ``num_splits``: decode's KV splits (None:
+    ``heuristics.decode_num_splits`` on a GPU of ``num_sms`` SMs); other impls ignore both. fa3 and
+    decode model the 16-bit kernels only (``dtype_bytes`` = 2; not the FP8 forward).
 
     Returns a dict (``RESULT_KEYS``): ``hbm_bytes`` (no L2 reuse), ``hbm_read_bytes``, ``hbm_write_bytes``,
     the ``_min`` variants (perfect L2 reuse within a wave), ``breakdown`` / ``breakdown_min`` (bytes read
     + written per array), ``kernels`` (per kernel or naive pass), ``quadratic_bytes`` (the part that grows
     with Sq·Sk: K/V re-reads, Q/dO/dQ re-reads, the score matrices), ``flops_executed``, ``flops_useful``,
     ``arithmetic_intensity`` (executed FLOP per byte), ``tiles``, ``tile_pairs_visited`` /
-    ``tile_pairs_total`` (per (batch, head)) and ``formula`` (the leading terms, in words).
+    ``tile_pairs_total`` (per (batch, head); per (batch, KV head) for decode and GQA-packed FA3, whose tiles
+    hold the group's heads) and ``formula`` (the leading terms, in words).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
@@ -579,6 +832,13 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
         raise ValueError(f"window_size must be (left, right) with -1 = unbounded; got {window_size!r}")
     if impl == "naive" and window != (-1, -1):
         raise ValueError("the naive attention (cuflash.reference.attention_naive) has no sliding window")
+    if impl in ("fa3", "decode") and dtype_bytes != 2:
+        raise ValueError(f"{impl} is modelled for 16-bit inputs (dtype_bytes=2) only; got {dtype_bytes}")
+    if impl == "decode" and direction != "forward":
+        raise ValueError("decode (flash_attn_with_kvcache) has no backward")
+    if num_splits is not None:
+        _positive("num_splits", num_splits)
+    _positive("num_sms", num_sms)
     s = _Shape(batch, heads, kv_heads, seqlen_q, seqlen_k, headdim, bool(causal), window, dtype_bytes)
 
     useful_pairs = visible_pairs(**s.mask_kw())
@@ -591,18 +851,24 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
         visited, total = 1, 1
         mask_build = 7 * seqlen_q * seqlen_k if s.causal else 0  # once, not per (batch, head)
         naive_per_score = (quadratic - mask_build) / (batch * heads * seqlen_q * seqlen_k)
+    elif impl == "decode":
+        tiles = _decode_tiles(s, block_m, block_n, num_splits, num_sms)
+        kernels, quadratic, visited, total = _decode(s, tiles, wave_blocks)
+    elif impl == "fa3":
+        tiles = _fa3_tiles(direction, s, block_m, block_n)
+        build = _fa3_forward if direction == "forward" else _fa3_backward
+        kernels, quadratic, visited, total = build(s, tiles, wave_blocks)
     else:
         tiles = _tiles(impl, direction, headdim, block_m, block_n)
         bm, bn = tiles["block_m"], tiles["block_n"]
-        total = _cdiv(seqlen_q, bm) * _cdiv(seqlen_k, bn)
         if direction == "forward":
-            kernels, quadratic, visited = _flash_forward(
+            kernels, quadratic, visited, total = _flash_forward(
                 f"{impl}_fwd", s, bm, bn, load_q_when_empty=impl == "fa1", reverse=impl == "fa2",
                 wave_blocks=wave_blocks)
         else:
             per = 4 * tiles["d_split"] + 6 if impl == "fa1" else 10
-            kernels, quadratic, visited = _flash_backward(
-                f"{impl}_bwd", s, bm, bn, flops_per_pair=per, load_kv_when_empty=impl == "fa1",
+            kernels, quadratic, visited, total = _flash_backward(
+                f"{impl}_bwd", s, bm, bn, flops_per_pair=per * bm * bn * headdim, load_kv_when_empty=impl == "fa1",
                 wave_blocks=wave_blocks)
 
     def totals(attr_r, attr_w):
@@ -666,8 +932,13 @@ def _window(text: str) -> tuple[int, int]:
     return left, right
 
 
+# decode answers another question (new queries over a cache), so it is shown when asked for
+DEFAULT_IMPLS = ("naive", "fa1", "fa2", "fa3")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--impls", type=_impl_list, default=list(IMPLS), help="comma list (default: naive,fa1,fa2)")
+    parser.add_argument("--impls", type=_impl_list, default=list(DEFAULT_IMPLS),
+                        help=f"comma list of {','.join(IMPLS)} (default: {','.join(DEFAULT_IMPLS)})")
     parser.add_argument("--headdim", type=int, default=128, help="head dim (default 128)")
     parser.add_argument("--seqlens", type=_int_list, default=[1024, 4096, 16384],
                         help="comma list of sequence lengths, Sq = Sk = N (default: 1024,4096,16384)")
@@ -684,6 +955,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-n", type=int, default=None, help="override BLOCK_N of the tile table")
     parser.add_argument("--wave-blocks", type=int, default=None,
                         help="resident thread blocks per wave for the L2 lower bound (default: the whole grid)")
+    parser.add_argument("--decode-queries", type=int, default=1,
+                        help="decode: new queries per sequence (default 1); its N is the cache length")
+    parser.add_argument("--num-splits", type=int, default=None,
+                        help="decode: KV splits (default: heuristics.decode_num_splits for --num-sms)")
+    parser.add_argument("--num-sms", type=int, default=132, help="decode: SMs for the default splits (132: H200)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -691,13 +967,16 @@ def _predict_all(args) -> tuple[list[dict], list[str]]:
     results, notes = [], []
     for impl in args.impls:
         for n in args.seqlens:
+            # decode: decode_queries new queries over a cache of N keys
+            sq, sk = (args.decode_queries, n) if impl == "decode" else (n, args.seqlen_k or n)
             try:
                 results.append(predict(
-                    impl, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, seqlen_q=n,
-                    seqlen_k=args.seqlen_k or n, headdim=args.headdim, causal=args.causal,
+                    impl, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, seqlen_q=sq,
+                    seqlen_k=sk, headdim=args.headdim, causal=args.causal,
                     window_size=args.window, dtype_bytes=2, direction=args.direction, block_m=args.block_m,
                     block_n=args.block_n, wave_blocks=args.wave_blocks,
-                    naive_matmul="cupy" if args.dtype == "fp16" else "cublas"))
+                    naive_matmul="cupy" if args.dtype == "fp16" else "cublas", num_splits=args.num_splits,
+                    num_sms=args.num_sms))
             except ValueError as exc:
                 note = f"{impl}: skipped ({exc})"
                 if note not in notes:
@@ -726,14 +1005,16 @@ def _print_table(results: list[dict], notes: list[str], args) -> None:
     naive = {r["seqlen_q"]: r["hbm_bytes"] for r in results if r["impl"] == "naive"}
     prev = {}
     for r in results:
-        n = r["seqlen_q"]
+        decode = r["impl"] == "decode"
+        n = r["seqlen_k"] if decode else r["seqlen_q"]
         growth = "-"
         if r["impl"] in prev:
             pn, pb = prev[r["impl"]]
-            growth = f"×{r['hbm_bytes'] / pb:.1f} (N² ×{(n / pn) ** 2:g})"
+            scale = f"N ×{n / pn:g}" if decode else f"N² ×{(n / pn) ** 2:g}"  # decode reads the cache once
+            growth = f"×{r['hbm_bytes'] / pb:.1f} ({scale})"
         prev[r["impl"]] = (n, r["hbm_bytes"])
         tiles = " ".join(f"{k.replace('block_', '')}={v}" for k, v in r["tiles"].items()) or "-"
-        vs = f"{naive[n] / r['hbm_bytes']:.1f}" if n in naive and r["impl"] != "naive" else "-"
+        vs = f"{naive[n] / r['hbm_bytes']:.1f}" if n in naive and r["impl"] != "naive" and not decode else "-"
         table.add_row(r["impl"], str(n), _gb(r["hbm_bytes"]), _gb(r["hbm_bytes_min"]), growth,
                       f"{100 * r['quadratic_bytes'] / r['hbm_bytes']:.0f} %", f"{r['flops_executed'] / 1e9:.1f}",
                       f"{r['flops_useful'] / 1e9:.1f}", f"{r['arithmetic_intensity']:.1f}", vs, tiles)
@@ -756,6 +1037,9 @@ def _print_table(results: list[dict], notes: list[str], args) -> None:
         "backward = 5 products (QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K) = 2.5 × the forward's 2.",
     ):
         console.print("  " + line, highlight=False)
+    if "decode" in seen:
+        console.print(f"  decode: N = keys in the cache, {args.decode_queries} new quer"
+                      f"{'y' if args.decode_queries == 1 else 'ies'} per sequence.", highlight=False)
     for note in notes:
         console.print(f"  {note}", highlight=False)
 
@@ -765,7 +1049,7 @@ def run(args) -> int:
     if args.json:
         config = {k: getattr(args, k) for k in ("impls", "headdim", "seqlens", "seqlen_k", "batch", "heads",
                                                   "kv_heads", "causal", "direction", "dtype", "block_m", "block_n",
-                                                  "wave_blocks")}
+                                                  "wave_blocks", "decode_queries", "num_splits", "num_sms")}
         config["window"] = list(args.window)
         json.dump({"config": config, "results": results, "notes": notes}, sys.stdout, indent=1)
         print()

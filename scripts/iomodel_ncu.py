@@ -2,11 +2,16 @@
 
 On the GPU machine (ncu on the PATH or --ncu):
 
-    python scripts/iomodel_ncu.py [--out DIR] [--quick] [--headdims 64,128] [--seqlens 1024,4096]
-                                  [--cases naive:forward,fa1:forward,fa2:forward,fa1:backward]
+    python scripts/iomodel_ncu.py [--out DIR] [--quick] [--headdims 128] [--seqlens 1024,4096]
+                                  [--cases naive:forward,fa1:forward,fa2:forward,fa3:forward,...]
 
 writes ``iomodel_ncu.md`` and ``iomodel_ncu.json`` under ``--out`` (default ``$OUT``, else the current
 directory). ``--dry-run`` prints the ncu command lines and writes the predictions only (no GPU needed).
+Each case is one ncu run (process start, compile cache lookup, warm-up, one profiled call): the defaults
+(7 impl:direction pairs at d = 128, N = 1k and 4k, with and without the causal mask; decode once per N) are
+26 runs, estimated at about 3 minutes with warm compile caches (not yet timed on the H200);
+``--headdims 64,128`` doubles them. A decode case is one query over a cache of N keys, with the
+split count the model takes for 132 SMs (passed to the call, so prediction and measurement agree).
 
 How a case is measured. Each case runs
 
@@ -50,7 +55,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
-DEFAULT_CASES = "naive:forward,fa1:forward,fa2:forward,fa1:backward"
+DEFAULT_CASES = "naive:forward,fa1:forward,fa2:forward,fa3:forward,fa1:backward,fa3:backward,decode:forward"
 UNITS = {"byte": 1.0, "bytes": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
          "kibyte": 2.0 ** 10, "mibyte": 2.0 ** 20, "gibyte": 2.0 ** 30}
 
@@ -87,7 +92,7 @@ def parse_ncu_csv(text: str) -> list[dict]:
 # the driver: one measured call between cudaProfilerStart and cudaProfilerStop
 # ----------------------------------------------------------------------------------------------------
 
-def _occupancy_info(impl: str, direction: str, headdim: int, dtype: str) -> dict:
+def _occupancy_info(impl: str, direction: str, headdim: int, dtype: str, causal: bool) -> dict:
     """SMs, L2 size and resident blocks per SM of the main cuflash kernel (wave size for the L2 bound)."""
     import cupy
     from cupy_backends.cuda.api import driver
@@ -98,11 +103,17 @@ def _occupancy_info(impl: str, direction: str, headdim: int, dtype: str) -> dict
             "blocks_per_sm": None, "wave_blocks": None}
     if impl == "naive":
         return info
-    from cuflash import fa1, fa2
+    from cuflash import decode, fa1, fa2, fa3
     from cuflash._jit import get_function
 
-    family = fa1 if impl == "fa1" else fa2
-    variant = (family.fwd_variant if direction == "forward" else family.bwd_variant)(headdim, dtype)
+    if impl == "decode":
+        variant = decode.fwd_variant(headdim, dtype, paged=False)
+    elif impl == "fa3":  # the forward's persistent grid is about one block per SM: its wave is the grid
+        variant = (fa3.fwd_variant(headdim, dtype, unmasked=not causal) if direction == "forward"
+                   else fa3.bwd_variant(headdim, dtype))
+    else:
+        family = fa1 if impl == "fa1" else fa2
+        variant = (family.fwd_variant if direction == "forward" else family.bwd_variant)(headdim, dtype)
     fn = get_function(variant)
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, variant.threads, variant.smem_bytes)
     info.update(blocks_per_sm=int(per_sm), wave_blocks=int(per_sm) * info["sms"], kernel=variant.kernel)
@@ -124,9 +135,15 @@ def run_driver(args) -> int:
     def randn(shape):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
 
-    q = randn((args.batch, args.seqlen, args.heads, args.headdim))
+    q = randn((args.batch, args.seqlen_q or args.seqlen, args.heads, args.headdim))
     k, v = (randn((args.batch, args.seqlen, kv, args.headdim)) for _ in range(2))
-    if args.impl == "naive":
+    if args.impl == "decode":  # q over a full cache of args.seqlen keys, no new keys appended
+        seqlens = cupy.full((args.batch,), args.seqlen, dtype=cupy.int32)
+
+        def call():  # check=False: no copy of cache_seqlens to the host inside the measured call
+            return cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=args.mask_causal,
+                                                   num_splits=args.num_splits, check=False)
+    elif args.impl == "naive":
         if args.direction == "forward":
             def call():
                 return reference.attention_naive(q, k, v, causal=args.mask_causal)
@@ -151,7 +168,8 @@ def run_driver(args) -> int:
         call()
     cupy.cuda.Device().synchronize()
     if args.info:
-        Path(args.info).write_text(json.dumps(_occupancy_info(args.impl, args.direction, args.headdim, dtype)))
+        Path(args.info).write_text(json.dumps(_occupancy_info(args.impl, args.direction, args.headdim, dtype,
+                                                              args.mask_causal)))
     runtime.profilerStart()
     result = call()
     cupy.cuda.Device().synchronize()
@@ -165,15 +183,24 @@ def run_driver(args) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 def _cases(args) -> list[dict]:
+    """The cases: ``seqlen`` keys, ``seqlen_q`` queries (N, or one for decode), ``num_splits`` for decode
+    (the model's count for 132 SMs, which the driver passes on)."""
     out = []
     for item in args.cases.split(","):
         impl, _, direction = item.strip().partition(":")
         direction = direction or "forward"
+        decode = impl == "decode"
+        # one query sees every key with or without the causal mask: the same call, measured once
+        causals = args.causals[:1] if decode else args.causals
         for d in args.headdims:
             for n in args.seqlens:
-                for causal in args.causals:
-                    out.append(dict(impl=impl, direction=direction, headdim=d, seqlen=n, causal=causal,
-                                    batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads))
+                for causal in causals:
+                    case = dict(impl=impl, direction=direction, headdim=d, seqlen=n, seqlen_q=1 if decode else n,
+                                causal=causal, batch=args.batch, heads=args.heads,
+                                kv_heads=args.kv_heads or args.heads)
+                    if decode:
+                        case["num_splits"] = _predict(case, args.dtype)["tiles"]["num_splits"]
+                    out.append(case)
     return out
 
 
@@ -181,13 +208,17 @@ def _predict(case: dict, dtype: str, wave_blocks=None) -> dict:
     from cuflash import iomodel
 
     return iomodel.predict(case["impl"], batch=case["batch"], heads=case["heads"], kv_heads=case["kv_heads"],
-                           seqlen_q=case["seqlen"], seqlen_k=case["seqlen"], headdim=case["headdim"],
+                           seqlen_q=case["seqlen_q"], seqlen_k=case["seqlen"], headdim=case["headdim"],
                            causal=case["causal"], direction=case["direction"], dtype_bytes=2,
-                           wave_blocks=wave_blocks, naive_matmul="cupy" if dtype == "fp16" else "cublas")
+                           wave_blocks=wave_blocks, naive_matmul="cupy" if dtype == "fp16" else "cublas",
+                           num_splits=case.get("num_splits"))
 
 
 def _label(case: dict) -> str:
     direction = "fwd" if case["direction"] == "forward" else "bwd"
+    if case["impl"] == "decode":
+        return (f"decode fwd d={case['headdim']} Sk={case['seqlen']} ({case['seqlen_q']} query, "
+                f"{case['num_splits']} splits)")
     return f"{case['impl']} {direction} d={case['headdim']} N={case['seqlen']}{' causal' if case['causal'] else ''}"
 
 
@@ -196,6 +227,8 @@ def _ncu_command(args, case: dict, log: Path, info: Path) -> list[str]:
               "--direction", case["direction"], "--headdim", str(case["headdim"]), "--seqlen", str(case["seqlen"]),
               "--batch", str(case["batch"]), "--heads", str(case["heads"]), "--kv-heads", str(case["kv_heads"]),
               "--dtype", args.dtype, "--info", str(info)] + (["--mask-causal"] if case["causal"] else [])
+    if case["impl"] == "decode":
+        driver += ["--seqlen-q", str(case["seqlen_q"]), "--num-splits", str(case["num_splits"])]
     return [args.ncu, "--profile-from-start", "off", "--target-processes", "all", "--clock-control", "none",
             "--cache-control", args.cache_control, "--metrics", ",".join(METRICS), "--csv", "--print-units", "base",
             "--log-file", str(log)] + driver
@@ -281,7 +314,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="output folder (default: $OUT, else the current directory)")
     p.add_argument("--cases", default=DEFAULT_CASES, help=f"impl:direction list (default {DEFAULT_CASES})")
-    p.add_argument("--headdims", type=_int_list, default=[64, 128])
+    p.add_argument("--headdims", type=_int_list, default=[128])
     p.add_argument("--seqlens", type=_int_list, default=[1024, 4096])
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
     p.add_argument("--batch", type=int, default=1)
@@ -300,6 +333,8 @@ def parse_args(argv):
     p.add_argument("--direction", default="forward", help=argparse.SUPPRESS)
     p.add_argument("--headdim", type=int, default=128, help=argparse.SUPPRESS)
     p.add_argument("--seqlen", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--seqlen-q", type=int, default=None, help=argparse.SUPPRESS)  # decode's queries
+    p.add_argument("--num-splits", type=int, default=0, help=argparse.SUPPRESS)  # decode's KV splits
     p.add_argument("--info", default=None, help=argparse.SUPPRESS)
     p.add_argument("--mask-causal", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
