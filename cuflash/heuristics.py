@@ -125,6 +125,9 @@ class Fa3Tiles:
     intra_wg_overlap: bool = True
     # the two consumer warpgroups take turns issuing their GEMMs (named barriers; kernels_cu/fa3/fwd.cu)
     pingpong: bool = True
+    # the softmax computes one group of 8 key columns in exp2_emu on the FMA pipe instead of the SFU
+    # (common/ptx.cuh, poly_exp2); 0 = none
+    exp2_emu: int = 0
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per

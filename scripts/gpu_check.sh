@@ -4,7 +4,8 @@
 #                                     kernels that could hang, each in its own process), bench, long (64k
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize,
 #                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT),
-#                                     tune (the FA2 tile candidates against torch flash)
+#                                     tune (the FA2 tile candidates against torch flash), e2e (GPT-2
+#                                     small end to end), iomodel (ncu DRAM bytes against cuflash.iomodel)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
@@ -71,19 +72,24 @@ for stage in "${stages[@]}"; do
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
       # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
-      # tile tables at d = 64 (three consumer warpgroups), decode by splits with and without the deep ring
-      # (contiguous and page size 1), the FP8 forward at N = 8k.
-      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-150} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -14 || status=1; }
-      probe scripts/fa3_tiles_probe.py --headdims 64 --seqlens 2048,8192 --reps 10
-      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,8,16,33 --page-sizes 0,1
-      probe scripts/fp8_probe.py --headdims 128,256 --seqlens 8192 --no-check --no-peer ;;
+      # exponentials partly on the FMA pipe (exp2_emu 0 / 8 / 4 / 2; d = 64 and 128, bf16 and FP8).
+      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
+      probe scripts/fa3_exp2_probe.py --headdims 64,128 --seqlens 2048,8192 --emu 0,8,4,2 ;;
     tune)
       # The FA2 tile candidates against torch's flash backend (each candidate compiles first, ~20 s): the
-      # backward at d = 128 / 256, the forward at d = 128. One log.
-      for args in "tune_fa2_bwd.py 128 256" "tune_fa2.py 128"; do
+      # backward at d = 64 / 256, the forward at d = 128 / 256 (bench/NOTES.md, session 8). One log.
+      for args in "tune_fa2_bwd.py 64 256" "tune_fa2.py 128 256"; do
         echo "##### $args" | tee -a "$OUT/tune.log"
         timeout -k 10 ${PROBE_TIMEOUT:-300} python3 scripts/$args 2>&1 | tee -a "$OUT/tune.log" | tail -40 || status=1
       done ;;
+    e2e)
+      # Issue 7's end-to-end run: GPT-2 small, cuflash / sdpa / naive at 1k-8k (bench/results/h200-e2e.json).
+      timeout -k 10 ${E2E_TIMEOUT:-420} python3 bench/e2e_gpt.py --json "$OUT/h200-e2e.json" ${E2E_ARGS:-} 2>&1 \
+        | tee "$OUT/e2e.log" | tail -30 || status=1 ;;
+    iomodel)
+      # Issue 7's IO-model check: ncu's DRAM bytes against cuflash.iomodel (iomodel_ncu.md / .json in $OUT).
+      timeout -k 10 ${IOMODEL_TIMEOUT:-420} python3 scripts/iomodel_ncu.py --out "$OUT" ${IOMODEL_ARGS:-} 2>&1 \
+        | tee "$OUT/iomodel.log" | tail -30 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

@@ -117,3 +117,21 @@ def check_varlen_backward(impl, rng, lens_q, lens_k, h, hkv, d, *, causal=False,
     assert float(abs(dq[int(hq[-1]):].astype("float32")).max()) == 0.0
     assert float(abs(dk[int(hk[-1]):].astype("float32")).max()) == 0.0
     return dout, out, lse, grads, (q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+def with_exp2_emu(monkeypatch, k):
+    """Every FA3 forward tile table row with exp2_emu = k (kernels_cu/common/poly_exp2.cuh: one group of
+    8 key columns in k of the softmax's exponentials on the FMA pipe) for the rest of the test."""
+    import dataclasses
+
+    from cuflash import fa3, heuristics
+
+    seen = set()
+    for name in ("FA3_TILES", "FA3_TILES_UNMASKED", "FA3_TILES_3WG", "FA3_FP8_TILES"):
+        for module in (heuristics, fa3):
+            table = getattr(module, name, None)
+            if table is None or id(table) in seen:
+                continue
+            seen.add(id(table))
+            for d, t in list(table.items()):
+                monkeypatch.setitem(table, d, dataclasses.replace(t, exp2_emu=k))

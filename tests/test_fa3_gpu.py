@@ -10,6 +10,7 @@ from cuflash import fa3
 from cuflash import reference as ref
 from gpu_checks import check_backward, check_forward, check_varlen_backward, check_varlen_forward, varlen_batch
 from gpu_checks import inputs as _inputs
+from gpu_checks import with_exp2_emu
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +39,19 @@ def _check(q, k, v, causal=False, window=(-1, -1), softcap=0.0):
 def test_forward(poison_allocations, d, causal, seqlens, heads):
     b = 1 if seqlens[0] > 2000 else 2
     q, k, v = _inputs(np.random.default_rng(), b, *seqlens, *heads, d, "bfloat16")
+    _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("emu", [4, 1])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (1, 300)])
+def test_forward_exponentials_on_the_fma_pipe(poison_allocations, monkeypatch, emu, d, causal, seqlens):
+    """The softmax with some (emu = 4) or all (1) of its exponentials through poly_exp2: masked scores
+    (causal, the last partial tile) weigh exactly 0, rows that see no key (Sq > Sk causal) give O = 0 and
+    LSE = -inf, persistent blocks walk several tiles."""
+    with_exp2_emu(monkeypatch, emu)
+    q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, 6, 2, d, "bfloat16")
     _check(q, k, v, causal)
 
 

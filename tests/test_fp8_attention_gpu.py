@@ -38,7 +38,7 @@ import pytest
 import cuflash
 from cuflash import api, fa3, fp8
 from cuflash import reference as ref
-from gpu_checks import inputs
+from gpu_checks import inputs, with_exp2_emu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_allocations")]
 
@@ -92,6 +92,17 @@ SEQLENS = [(1, 1), (113, 239), (239, 113), (1023, 1023), (1, 1023), (1023, 1)]
 def test_forward(d, causal, seqlens):
     sq, sk = seqlens
     q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 4, 2, d, "bfloat16")
+    data, descales = quantised(q, k, v, 128, 128, 128)
+    check(data, descales, (128, 128), causal)
+
+
+@pytest.mark.parametrize("emu", [4, 1])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_exponentials_on_the_fma_pipe(monkeypatch, emu, d, causal):
+    """The FP8 softmax with some (emu = 4) or all (1) of its exponentials through poly_exp2."""
+    with_exp2_emu(monkeypatch, emu)
+    q, k, v = inputs(np.random.default_rng(), 2, 1023, 239, 4, 2, d, "bfloat16")
     data, descales = quantised(q, k, v, 128, 128, 128)
     check(data, descales, (128, 128), causal)
 

@@ -34,9 +34,11 @@
 // and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N, CUFLASH_CONSUMERS (2, 3),
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
-// CUFLASH_PINGPONG (0/1).
+// CUFLASH_PINGPONG (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
+// the FMA pipe).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
+#include "common/poly_exp2.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
 #include "common/tile_scheduler.cuh"
@@ -46,6 +48,13 @@ constexpr int D = CUFLASH_HEADDIM;  // of Q and K
 #ifndef CUFLASH_HEADDIM_V
 #define CUFLASH_HEADDIM_V CUFLASH_HEADDIM
 #endif
+#ifndef CUFLASH_EXP2_EMU
+#define CUFLASH_EXP2_EMU 0
+#endif
+// The softmax computes the exponentials of one group of 8 key columns in EXP2_EMU on the FMA pipe
+// (poly_exp2), the rest on the special-function unit; 0: all on the SFU. Where the softmax, not the GEMMs,
+// bounds a tile (d = 64, FP8), the SFU's 16 exponentials per clock are its narrowest unit.
+constexpr int EXP2_EMU = CUFLASH_EXP2_EMU;
 constexpr int DV = CUFLASH_HEADDIM_V;  // of V and O (d_v; d_qk unless the launcher asks otherwise)
 constexpr bool FP8 = CUFLASH_FP8;
 constexpr int ELEM_BYTES = FP8 ? 1 : 2;         // of Q, K, V
@@ -242,7 +251,11 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float& x = sc[4 * j + 2 * r + e];
-                    x = fast_exp2(x * scale_log2 - base);
+                    // every EXP2_EMU-th group of columns on the FMA pipe, the rest on the SFU (poly_exp2)
+                    if (EXP2_EMU > 0 && j % EXP2_EMU == EXP2_EMU - 1)
+                        x = poly_exp2(x * scale_log2 - base);
+                    else
+                        x = fast_exp2(x * scale_log2 - base);
                     sum += x;
                 }
             }
