@@ -61,14 +61,20 @@ def _unmasked(window, dims: Dims) -> bool:
     return window[0] >= dims.seqlen_k and window[1] >= dims.seqlen_q
 
 
+def _short_masked(window: tuple[int, int], dims: Dims) -> bool:
+    """A mask bounds the rows and they are fewer than heuristics.FA3_3WG_MIN_MASKED_SEQLEN (fwd_tiles)."""
+    return not _unmasked(window, dims) and dims.seqlen_q < heuristics.FA3_3WG_MIN_MASKED_SEQLEN
+
+
 def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: bool = False,
-              pack_gqa: bool = False) -> heuristics.Fa3Tiles:
+              pack_gqa: bool = False, short_masked: bool = False) -> heuristics.Fa3Tiles:
     """The forward's tiles: FA3_FP8_TILES for FP8; FA3_TILES_3WG where it has the head dim and neither
-    softcap nor GQA packing asks for registers; else FA3_TILES_UNMASKED where it has the head dim and no
-    mask bounds the rows (``unmasked``); FA3_TILES otherwise."""
+    softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
+    _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
+    (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         return FA3_FP8_TILES[headdim]
-    if not (softcap or pack_gqa) and headdim in heuristics.FA3_TILES_3WG:
+    if not (softcap or pack_gqa or short_masked) and headdim in heuristics.FA3_TILES_3WG:
         return heuristics.FA3_TILES_3WG[headdim]
     if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
         return heuristics.FA3_TILES_UNMASKED[headdim]
@@ -81,11 +87,13 @@ def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
 
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
-                fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None) -> Variant:
+                fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
+                short_masked: bool = False) -> Variant:
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16).
-    ``unmasked``: no causal mask or window (fwd_tiles). ``headdim_v``: V's (and O's) head dim where it
-    differs from Q and K's (FWD_HEADDIM_V); the tiles are Q and K's head dim's."""
-    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa)
+    ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows (fwd_tiles).
+    ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
+    Q and K's head dim's."""
+    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked)
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
@@ -160,13 +168,24 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
                    smem_bytes=smem)
 
 
+def _row_kinds(headdim: int) -> list[tuple[bool, bool]]:
+    """(unmasked, short_masked) pairs whose tiles may differ at this head dim (fwd_tiles)."""
+    kinds = [(False, False)]
+    if headdim in heuristics.FA3_TILES_UNMASKED:
+        kinds.append((True, False))
+    if headdim in heuristics.FA3_TILES_3WG:
+        kinds.append((False, True))
+    return kinds
+
+
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked, headdim_v=dv) for dtype in DTYPE_CODES
+    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked, headdim_v=dv, short_masked=short_masked)
+           for dtype in DTYPE_CODES
            for d in HEADDIMS for dv in (d,) + FWD_HEADDIM_V.get(d, ()) for softcap in (False, True)
            for varlen, pack in ((False, False), (True, False), (False, True))
-           for unmasked in ((False, True) if d in heuristics.FA3_TILES_UNMASKED else (False,))]
+           for unmasked, short_masked in _row_kinds(d)]
     fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
     fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
@@ -222,11 +241,12 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     unmasked = _unmasked(window, dims)
     cu_q, cu_k = cu_seqlens or (None, None)
     pack = pack_gqa(dims, cu_q is not None)
-    t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack)
+    short = _short_masked(window, dims)
+    t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack, short_masked=short)
     block_m = fwd_block_m(t)
     group = dims.heads // dims.kv_heads
     variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked,
-                          headdim_v=dims.headdim_v)
+                          headdim_v=dims.headdim_v, short_masked=short)
     map_q = _packed_q_map(q, group, block_m) if pack else _tensor_map(q, block_m)
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)

@@ -167,6 +167,11 @@ FA3_TILES_UNMASKED = {
 FA3_TILES_3WG = {
     64: Fa3Tiles(block_n=128, stages=2, consumers=3),
 }
+# ... except where a mask bounds rows shorter than this: causal d = 64 on the H200 (bench suite, session 8
+# against session 7, two warpgroups -> three, TF/s): N = 512 211 -> 188, 1k 286 -> 249, 2k 357 -> 343, 4k
+# 405 -> 400, 8k 438 -> 455, 16k 441 -> 467. (Short causal rows: fewer, taller tiles, more of each on the
+# diagonal, and fewer tiles than SMs at 1k.)
+FA3_3WG_MIN_MASKED_SEQLEN = 8192
 
 
 # head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:

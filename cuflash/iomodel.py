@@ -186,6 +186,10 @@ class _Shape:
         """No causal mask or window bounds the rows (FA3's tile choice and its scheduler's sections)."""
         return fa3._unmasked(window_bounds(self.window, self.causal, self.dims()), self.dims())
 
+    def fa3_short_masked(self) -> bool:
+        """A mask bounds short rows (FA3's tile choice: two consumer warpgroups instead of three)."""
+        return fa3._short_masked(window_bounds(self.window, self.causal, self.dims()), self.dims())
+
 
 # ----------------------------------------------------------------------------------------------------
 # tile ranges
@@ -730,7 +734,7 @@ def _fa3_tiles(direction: str, s: _Shape, block_m, block_n) -> dict:
         return {"block_m": block_m or fa3.BWD_BLOCK_M, "block_n": block_n or fa3.bwd_block_n(d)}
     pack = fa3.pack_gqa(s.dims(), varlen=False)
     if d in table:
-        t = fa3.fwd_tiles(d, unmasked=s.fa3_unmasked(), pack_gqa=pack)
+        t = fa3.fwd_tiles(d, unmasked=s.fa3_unmasked(), pack_gqa=pack, short_masked=s.fa3_short_masked())
         block_m, block_n = block_m or fa3.fwd_block_m(t), block_n or t.block_n
     if pack and block_m % s.group:
         raise ValueError(f"a GQA-packed FA3 tile holds whole groups: block_m ({block_m}) must be a multiple of "

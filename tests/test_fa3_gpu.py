@@ -42,6 +42,21 @@ def test_forward(poison_allocations, d, causal, seqlens, heads):
     _check(q, k, v, causal)
 
 
+@pytest.mark.parametrize("rows", ["short", "long"])
+@pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (1023, 1023)])
+@pytest.mark.parametrize("window", [(-1, 0), (100, 3)])
+def test_masked_d64_with_two_and_three_consumers(poison_allocations, monkeypatch, rows, seqlens, window):
+    """Masked rows at d = 64 take two consumer warpgroups below heuristics.FA3_3WG_MIN_MASKED_SEQLEN and
+    three from there on: both arrangements under a causal mask and a window, at odd lengths (the bound
+    lowered to 0 puts these short rows on three)."""
+    from cuflash import heuristics
+
+    if rows == "long":
+        monkeypatch.setattr(heuristics, "FA3_3WG_MIN_MASKED_SEQLEN", 0)
+    q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, 4, 2, 64, "bfloat16")
+    _check(q, k, v, window=window)
+
+
 @pytest.mark.parametrize("emu", [4, 1])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
