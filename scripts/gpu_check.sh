@@ -5,7 +5,8 @@
 #                                     tokens: naive runs out of memory), quick (a small perf probe), sanitize,
 #                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT),
 #                                     tune (the FA2 tile candidates against torch flash), e2e (GPT-2
-#                                     small end to end), iomodel (ncu DRAM bytes against cuflash.iomodel)
+#                                     small end to end), iomodel (ncu DRAM bytes against cuflash.iomodel),
+#                                     ncu (scripts/ncu_profile.sh: stall reasons of the open speed cases)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
@@ -90,6 +91,10 @@ for stage in "${stages[@]}"; do
       # Issue 7's IO-model check: ncu's DRAM bytes against cuflash.iomodel (iomodel_ncu.md / .json in $OUT).
       timeout -k 10 ${IOMODEL_TIMEOUT:-420} python3 scripts/iomodel_ncu.py --out "$OUT" ${IOMODEL_ARGS:-} 2>&1 \
         | tee "$OUT/iomodel.log" | tail -30 || status=1 ;;
+    ncu)
+      # Nsight Compute on the open speed questions (scripts/ncu_profile.sh's cases; CASES to pick others):
+      # stall reasons, tensor / issue / shared-memory pipes. Full reports in $OUT/ncu-*.txt.
+      bash scripts/ncu_profile.sh 2>&1 | tee "$OUT/ncu.log" | tail -100 || status=1 ;;
     *) echo "unknown stage $stage"; status=2 ;;
   esac
 done

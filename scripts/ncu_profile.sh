@@ -19,7 +19,7 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 NCU=${NCU:-ncu}
-CASES=${CASES:-"fa3fp8:forward:128:8192:0 fa3:backward:128:8192:0 fa3:forward:128:2048:0 fa2:forward:128:8192:0"}
+CASES=${CASES:-"fa3fp8:forward:128:8192:0 fa3:forward:64:8192:0 fa3:backward:128:8192:0 fa3:backward:64:8192:0"}
 METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
 status=0
 for case in $CASES; do
