@@ -99,7 +99,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from . import fa3, heuristics
+from . import fa2, fa3, heuristics
 from ._validate import Dims, window_bounds
 from .reference import decode_split_tiles, kv_block_range
 
@@ -695,8 +695,10 @@ def _naive(s: _Shape, direction: str, matmul: str) -> tuple[list[_Kernel], int]:
 # public entry point
 # ----------------------------------------------------------------------------------------------------
 
-def _tiles(impl: str, direction: str, headdim: int, block_m, block_n) -> dict:
-    """Tile sizes of one kernel: the heuristics table's row for the head dim, overridden where given."""
+def _tiles(impl: str, direction: str, headdim: int, block_m, block_n, hopper: bool) -> dict:
+    """Tile sizes of one kernel: the row the launcher takes for the head dim (a call without softcap,
+    ALiBi or dropout; ``hopper``: on sm_90, where FA2's backward has rows of its own), overridden where
+    given."""
     if direction == "forward":
         table = heuristics.FA1_TILES if impl == "fa1" else heuristics.FA2_TILES
         row = table.get(headdim)
@@ -716,7 +718,7 @@ def _tiles(impl: str, direction: str, headdim: int, block_m, block_n) -> dict:
             raise ValueError(f"fa1 has no backward tiles for head dim {headdim} "
                              f"(table: {sorted(heuristics.FA1_TILES)}); pass block_m=")
         return {"block_m": block, "block_n": block, "d_split": row.bwd_d_split if row else 1}
-    row = heuristics.FA2_BWD_TILES.get(headdim)
+    row = fa2.bwd_tiles(headdim, sm90=hopper) if headdim in heuristics.FA2_BWD_TILES else None
     if row is None and (block_m is None or block_n is None):
         raise ValueError(f"fa2 has no backward tiles for head dim {headdim} "
                          f"(table: {sorted(heuristics.FA2_BWD_TILES)}); pass block_m= and block_n=")
@@ -796,7 +798,7 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
             seqlen_k: int | None = None, headdim: int, causal: bool = False, window_size=(-1, -1),
             dtype_bytes: int = 2, direction: str = "forward", block_m: int | None = None,
             block_n: int | None = None, wave_blocks: int | None = None, naive_matmul: str = "cublas",
-            num_splits: int | None = None, num_sms: int = 132) -> dict:
+            num_splits: int | None = None, num_sms: int = 132, hopper: bool = True) -> dict:
     """Predicted device-memory bytes and FLOPs of one ``impl`` call (see the module docstring).
 
     ``impl``: "naive", "fa1", "fa2", "fa3" or "decode" (forward only: ``flash_attn_with_kvcache``, Sq new
@@ -806,7 +808,8 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
     the whole grid; FA3's forward: its persistent grid). ``naive_matmul``: "cublas" (the bf16 path) or
     "cupy" (cupy.matmul, the fp16 path). ``num_splits``: decode's KV splits (None:
     ``heuristics.decode_num_splits`` on a GPU of ``num_sms`` SMs); other impls ignore both. fa3 and
-    decode model the 16-bit kernels only (``dtype_bytes`` = 2; not the FP8 forward).
+    decode model the 16-bit kernels only (``dtype_bytes`` = 2; not the FP8 forward). ``hopper``: the tiles
+    are an sm_90 GPU's (the H200 the ncu comparison runs on; FA2's backward has rows of its own there).
 
     Returns a dict (``RESULT_KEYS``): ``hbm_bytes`` (no L2 reuse), ``hbm_read_bytes``, ``hbm_write_bytes``,
     the ``_min`` variants (perfect L2 reuse within a wave), ``breakdown`` / ``breakdown_min`` (bytes read
@@ -863,7 +866,7 @@ def predict(impl: str, *, batch: int, heads: int, kv_heads: int | None = None, s
         build = _fa3_forward if direction == "forward" else _fa3_backward
         kernels, quadratic, visited, total = build(s, tiles, wave_blocks)
     else:
-        tiles = _tiles(impl, direction, headdim, block_m, block_n)
+        tiles = _tiles(impl, direction, headdim, block_m, block_n, hopper)
         bm, bn = tiles["block_m"], tiles["block_n"]
         if direction == "forward":
             kernels, quadratic, visited, total = _flash_forward(

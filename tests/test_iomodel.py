@@ -719,3 +719,19 @@ def test_ncu_default_cases():
             assert c["seqlen_q"] == 1 and not c["causal"]
             assert p["tiles"]["num_splits"] == c["num_splits"]
             assert "1 query" in mod._label(c)
+
+
+def test_fa2_backward_takes_the_launchers_tiles_per_arch():
+    """On sm_90 the plain FA2 backward runs FA2_BWD_TILES_PLAIN_SM90's rows (64 x 128 at d = 128), elsewhere
+    the general table's (or FA2_BWD_TILES_PLAIN's): the model's tiles are the launcher's either way."""
+    from cuflash import fa2
+
+    for d in sorted(heuristics.FA2_BWD_TILES):
+        for hopper in (True, False):
+            row = fa2.bwd_tiles(d, sm90=hopper)
+            got = iomodel.predict("fa2", batch=1, heads=4, seqlen_q=1024, headdim=d, direction="backward",
+                                  hopper=hopper)["tiles"]
+            assert got == {"block_m": row.block_m, "block_n": row.block_n}, (d, hopper)
+    h = iomodel.predict("fa2", batch=1, heads=4, seqlen_q=4096, headdim=128, direction="backward")
+    a = iomodel.predict("fa2", batch=1, heads=4, seqlen_q=4096, headdim=128, direction="backward", hopper=False)
+    assert h["tiles"]["block_n"] == 2 * a["tiles"]["block_n"] and h["quadratic_bytes"] < 0.6 * a["quadratic_bytes"]
