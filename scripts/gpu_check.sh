@@ -16,6 +16,12 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
+# Peers the machine lacks travel as wheels in .whl/ (git-ignored; the device call names it in `carry`), e.g.
+# nvidia-cudnn-frontend for the fp8 suite's cuDNN FP8 peer; installed beside the image's packages.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
