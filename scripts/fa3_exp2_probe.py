@@ -5,6 +5,7 @@ difference from the exp2_emu = 0 output (the cubic's 1e-4 relative error should 
 
     python scripts/fa3_exp2_probe.py [--headdims 64,128] [--seqlens 2048,8192] [--emu 0,8,4,2] [--reps 10]
     python scripts/fa3_exp2_probe.py --compile-only     # no GPU: registers, spills, MUFU / FFMA counts (sm_90a)
+    python scripts/fa3_exp2_probe.py --precompile-only  # the variants into the disk cache, in parallel
 
 Hypothesis (bench/NOTES.md, session 8): where the softmax bounds a tile (d = 64, FP8 at d = 128) the SFU's
 16 exponentials per clock per SM are the narrowest unit; moving a quarter of them to the FMA pipe
@@ -85,7 +86,9 @@ def precompile(headdims, emus):
         for k in emus:
             with exp2_emu(k):
                 for fp8 in (False, True) if d in fa3.FP8_HEADDIMS else (False,):
-                    variants.update(fa3.fwd_variant(d, "bfloat16", fp8=fp8, unmasked=u) for u in (True, False))
+                    # no mask, a mask over long rows, a mask over short rows (fa3.fwd_tiles)
+                    variants.update(fa3.fwd_variant(d, "bfloat16", fp8=fp8, unmasked=u, short_masked=s)
+                                    for u, s in ((True, False), (False, False), (False, True)))
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = list(pool.map(compile_report.report_variant, variants, ["sm_90a"] * len(variants)))
@@ -145,9 +148,14 @@ def main():
     parser.add_argument("--emu", type=ints, default=[0, 8, 4, 2])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--precompile-only", action="store_true",
+                        help="fill the disk cache with the variants (all cores) and stop: the GPU tests of the "
+                             "switch (test_forward_exponentials_on_the_fma_pipe) then find them compiled")
     args = parser.parse_args()
     if args.compile_only:
         compile_only(args.headdims, args.emu)
+    elif args.precompile_only:
+        precompile(args.headdims, args.emu)
     else:
         precompile(args.headdims, args.emu)
         timed(args.headdims, args.seqlens, args.emu, args.reps)

@@ -6,7 +6,8 @@
 #                                     probes (the tuning probes bench/NOTES.md asks for next; PROBE_TIMEOUT),
 #                                     tune (the FA2 tile candidates against torch flash), e2e (GPT-2
 #                                     small end to end), iomodel (ncu DRAM bytes against cuflash.iomodel),
-#                                     ncu (scripts/ncu_profile.sh: stall reasons of the open speed cases)
+#                                     ncu (scripts/ncu_profile.sh: stall reasons of the open speed cases),
+#                                     warm-probes (the probes' variants compiled on all cores)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
 # arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
@@ -82,6 +83,10 @@ for stage in "${stages[@]}"; do
       # exponentials partly on the FMA pipe (exp2_emu 0 / 8 / 4 / 2; d = 64 and 128, bf16 and FP8).
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
       probe scripts/fa3_exp2_probe.py --headdims 64,128 --seqlens 2048,8192 --emu 0,8,4,2 ;;
+    warm-probes)
+      # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
+      # GPU tests of the switches they A/B find them compiled.
+      python3 scripts/fa3_exp2_probe.py --precompile-only --headdims 64,128 --emu 0,8,4,2 2>&1 | tail -3 ;;
     tune)
       # The FA2 tile candidates against torch's flash backend (each candidate compiles first, ~20 s): the
       # backward at d = 64 / 256, the forward at d = 128 / 256 (bench/NOTES.md, session 8). One log.

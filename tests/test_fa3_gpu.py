@@ -57,16 +57,17 @@ def test_masked_d64_with_two_and_three_consumers(poison_allocations, monkeypatch
     _check(q, k, v, window=window)
 
 
-@pytest.mark.parametrize("emu", [4, 1])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("emu", [4, 2])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (1, 300)])
+@pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (77, 300)])
 def test_forward_exponentials_on_the_fma_pipe(poison_allocations, monkeypatch, emu, d, causal, seqlens):
-    """The softmax with some (emu = 4) or all (1) of its exponentials through poly_exp2: masked scores
+    """The softmax with a quarter (emu = 4) or half (2) of its exponentials through poly_exp2: masked scores
     (causal, the last partial tile) weigh exactly 0, rows that see no key (Sq > Sk causal) give O = 0 and
-    LSE = -inf, persistent blocks walk several tiles."""
+    LSE = -inf, persistent blocks walk several tiles. (The variants are those scripts/fa3_exp2_probe.py
+    --precompile-only compiles; these shapes take no GQA packing.)"""
     with_exp2_emu(monkeypatch, emu)
-    q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, 6, 2, d, "bfloat16")
+    q, k, v = _inputs(np.random.default_rng(), 2, *seqlens, 4, 2, d, "bfloat16")
     _check(q, k, v, causal)
 
 

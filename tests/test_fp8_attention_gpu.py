@@ -96,11 +96,12 @@ def test_forward(d, causal, seqlens):
     check(data, descales, (128, 128), causal)
 
 
-@pytest.mark.parametrize("emu", [4, 1])
+@pytest.mark.parametrize("emu", [4, 2])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128])
 def test_forward_exponentials_on_the_fma_pipe(monkeypatch, emu, d, causal):
-    """The FP8 softmax with some (emu = 4) or all (1) of its exponentials through poly_exp2."""
+    """The FP8 softmax with a quarter (emu = 4) or half (2) of its exponentials through poly_exp2 (the
+    variants scripts/fa3_exp2_probe.py --precompile-only compiles)."""
     with_exp2_emu(monkeypatch, emu)
     q, k, v = inputs(np.random.default_rng(), 2, 1023, 239, 4, 2, d, "bfloat16")
     data, descales = quantised(q, k, v, 128, 128, 128)
