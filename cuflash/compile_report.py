@@ -91,8 +91,9 @@ def find_tool(name: str) -> str | None:
     return shutil.which(name)
 
 
-def count_opcodes(cubin: bytes) -> dict[str, int] | None:
-    """Occurrences of each opcode in OPCODES (prefix match: HMMA.16816.F32.BF16 counts as HMMA; see OPCODES)."""
+def count_opcodes(cubin: bytes, ops: tuple[str, ...] = OPCODES) -> dict[str, int] | None:
+    """Occurrences of each opcode in ``ops`` (prefix match: HMMA.16816.F32.BF16 counts as HMMA; see OPCODES);
+    None without nvdisasm."""
     tool = find_tool("nvdisasm")
     if tool is None:
         return None
@@ -110,7 +111,7 @@ def count_opcodes(cubin: bytes) -> dict[str, int] | None:
     def matches(mnemonic: str, op: str) -> bool:
         return (mnemonic if "." in op else mnemonic.split(".")[0]).startswith(op)
 
-    return {op: sum(n for name, n in counts.items() if matches(name, op)) for op in OPCODES}
+    return {op: sum(n for name, n in counts.items() if matches(name, op)) for op in ops}
 
 
 def report_variant(variant: Variant, arch: str) -> dict:

@@ -17,36 +17,28 @@ import dataclasses
 
 from cuflash import fa3, heuristics
 
-TABLES = ("FA3_TILES", "FA3_TILES_UNMASKED", "FA3_TILES_3WG", "FA3_FP8_TILES")
+# the forward's tile tables (fa3 imports some of them by name: the same dicts, so edits in place reach it)
+TABLES = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG, heuristics.FA3_FP8_TILES)
 
 
 @contextlib.contextmanager
 def exp2_emu(k: int):
-    """Every forward tile table's rows (heuristics and the names fa3 imported) with exp2_emu = k."""
-    saved = {}
-    for name in TABLES:
-        for module in (heuristics, fa3):
-            table = getattr(module, name, None)
-            if table is None or id(table) in saved:
-                continue
-            saved[id(table)] = (table, dict(table))
-            table.update({d: dataclasses.replace(t, exp2_emu=k) for d, t in table.items()})
+    """Every forward tile table's rows with exp2_emu = k."""
+    saved = [dict(table) for table in TABLES]
+    for table in TABLES:
+        table.update({d: dataclasses.replace(t, exp2_emu=k) for d, t in table.items()})
     try:
         yield
     finally:
-        for table, rows in saved.values():
+        for table, rows in zip(TABLES, saved):
             table.clear()
             table.update(rows)
 
 
 def compile_only(headdims, emus):
-    import re
-    import subprocess
-
     from cuflash import compile_report
     from cuflash._jit import compile_variant
 
-    nvdisasm = compile_report.find_tool("nvdisasm")
     for d in headdims:
         for fp8 in (False, True):
             if fp8 and d not in fa3.FP8_HEADDIMS:
@@ -56,20 +48,12 @@ def compile_only(headdims, emus):
                     with exp2_emu(k):
                         v = fa3.fwd_variant(d, "bfloat16", fp8=fp8, unmasked=unmasked)
                         row = compile_report.report_variant(v, "sm_90a")
-                        counts = ""
-                        if nvdisasm:
-                            import tempfile
-                            with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-                                fh.write(compile_variant(v, "sm_90a").cubin)
-                                fh.flush()
-                                sass = subprocess.run([nvdisasm, "-c", fh.name], capture_output=True,
-                                                      text=True).stdout
-                            ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass,
-                                             re.MULTILINE)
-                            counts = " ".join(f"{op} {ops.count(op)}" for op in ("MUFU", "FFMA", "FADD", "FMNMX"))
+                        ops = compile_report.count_opcodes(compile_variant(v, "sm_90a").cubin,
+                                                           ("MUFU", "FFMA", "FADD", "FMNMX")) or {}
                     print(f"d={d:3d} {'fp8 ' if fp8 else 'bf16'} {'unmasked' if unmasked else 'masked  '} "
                           f"emu={k}: regs {row['regs']} spill {row['spill_bytes']} "
-                          f"problems {compile_report.problems(row) or '-'} | {counts}", flush=True)
+                          f"problems {compile_report.problems(row) or '-'} | "
+                          + " ".join(f"{op} {n}" for op, n in ops.items()), flush=True)
 
 
 def precompile(headdims, emus):

@@ -121,17 +121,13 @@ def check_varlen_backward(impl, rng, lens_q, lens_k, h, hkv, d, *, causal=False,
 
 def with_exp2_emu(monkeypatch, k):
     """Every FA3 forward tile table row with exp2_emu = k (kernels_cu/common/poly_exp2.cuh: one group of
-    8 key columns in k of the softmax's exponentials on the FMA pipe) for the rest of the test."""
+    8 key columns in k of the softmax's exponentials on the FMA pipe) for the rest of the test. (cuflash.fa3
+    imports some of the tables by name: the same dicts, so the edits reach it.)"""
     import dataclasses
 
-    from cuflash import fa3, heuristics
+    from cuflash import heuristics
 
-    seen = set()
-    for name in ("FA3_TILES", "FA3_TILES_UNMASKED", "FA3_TILES_3WG", "FA3_FP8_TILES"):
-        for module in (heuristics, fa3):
-            table = getattr(module, name, None)
-            if table is None or id(table) in seen:
-                continue
-            seen.add(id(table))
-            for d, t in list(table.items()):
-                monkeypatch.setitem(table, d, dataclasses.replace(t, exp2_emu=k))
+    for table in (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG,
+                  heuristics.FA3_FP8_TILES):
+        for d, t in list(table.items()):
+            monkeypatch.setitem(table, d, dataclasses.replace(t, exp2_emu=k))
