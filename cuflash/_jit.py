@@ -284,10 +284,15 @@ def compile_variant(variant: Variant, arch: str) -> Compiled:
         return compiled
 
 
-def _compile_through_disk_cache(variant: Variant, arch: str) -> Compiled:
+def entry_path(variant: Variant, arch: str) -> Path:
+    """Where the disk cache keeps this variant's entry for this arch."""
     key = cache_key(variant, arch)
-    directory = cache_dir()
-    path = directory / f"{variant.family}-{variant.kernel}-{arch}-{key[:40]}.cubin"
+    return cache_dir() / f"{variant.family}-{variant.kernel}-{arch}-{key[:40]}.cubin"
+
+
+def _compile_through_disk_cache(variant: Variant, arch: str) -> Compiled:
+    path = entry_path(variant, arch)
+    directory = path.parent
     entry = _read_entry(path)
     if entry is not None:
         return Compiled(variant, arch, *entry)

@@ -56,6 +56,19 @@ def compile_only(headdims, emus):
                           + " ".join(f"{op} {n}" for op, n in ops.items()), flush=True)
 
 
+def probe_variants(headdims, emus) -> set:
+    """Every variant the timings and the GPU tests of the switch take (scripts/cache_pack.py packs them too)."""
+    variants = set()
+    for d in headdims:
+        for k in emus:
+            with exp2_emu(k):
+                for fp8 in (False, True) if d in fa3.FP8_HEADDIMS else (False,):
+                    # no mask, a mask over long rows, a mask over short rows (fa3.fwd_tiles)
+                    variants.update(fa3.fwd_variant(d, "bfloat16", fp8=fp8, unmasked=u, short_masked=s)
+                                    for u, s in ((True, False), (False, False), (False, True)))
+    return variants
+
+
 def precompile(headdims, emus):
     """Every variant the timings take, compiled in parallel into the disk cache first (NVRTC compiles one
     program per thread: ~20 s apiece on the H200 machine, one at a time inside the timing loop)."""
@@ -65,14 +78,7 @@ def precompile(headdims, emus):
 
     from cuflash import compile_report
 
-    variants = set()
-    for d in headdims:
-        for k in emus:
-            with exp2_emu(k):
-                for fp8 in (False, True) if d in fa3.FP8_HEADDIMS else (False,):
-                    # no mask, a mask over long rows, a mask over short rows (fa3.fwd_tiles)
-                    variants.update(fa3.fwd_variant(d, "bfloat16", fp8=fp8, unmasked=u, short_masked=s)
-                                    for u, s in ((True, False), (False, False), (False, True)))
+    variants = probe_variants(headdims, emus)
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = list(pool.map(compile_report.report_variant, variants, ["sm_90a"] * len(variants)))

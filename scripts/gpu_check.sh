@@ -23,6 +23,12 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+# A compile cache packed on the CPU machine (scripts/cache_pack.py; the call carries .cache-pack): the warm
+# stage then finds every entry and the tests compile nothing.
+for pack in .cache-pack/*.tar.xz; do
+  [ -f "$pack" ] && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='data')" \
+    "$pack" "$CUFLASH_CACHE_DIR" && echo "unpacked $pack into $CUFLASH_CACHE_DIR"
+done
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(warm tests risky bench)
 status=0
@@ -81,11 +87,13 @@ for stage in "${stages[@]}"; do
     probes)
       # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
       # exponentials partly on the FMA pipe (exp2_emu 0 / 8 / 4 / 2; d = 64 and 128, bf16 and FP8); decode
-      # by splits for page sizes 16 / 64 / 256.
+      # by splits for page sizes 16 / 64 / 256; the FA3 backward's query rows per step.
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
       probe scripts/fa3_exp2_probe.py --headdims 64,128 --seqlens 2048,8192 --emu 0,8,4,2
       # decode's split heuristic was fitted on page size 1: do larger pages split like a contiguous cache?
-      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,16,33 --page-sizes 0,16,64,256 ;;
+      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,16,33 --page-sizes 0,16,64,256
+      # the FA3 backward at d = 64: 64 against 128 query rows per step (heuristics.FA3_BWD_BLOCK_M)
+      probe scripts/fa3_bwd_probe.py --seqlens 2048,8192 ;;
     warm-probes)
       # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
       # GPU tests of the switches they A/B find them compiled.

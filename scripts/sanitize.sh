@@ -33,6 +33,9 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 CACHE=$(mktemp -d "${TMPDIR:-/tmp}/cuflash-sanitize-cache.XXXXXX")
+# A cache of its own, seeded from the caller's (e.g. gpu_check.sh's, warm from a packed cache): the
+# warm-up then compiles only what that cache lacks.
+[ -d "${CUFLASH_CACHE_DIR:-}" ] && cp "$CUFLASH_CACHE_DIR"/*.cubin "$CACHE"/ 2>/dev/null
 export CUFLASH_CACHE_DIR=$CACHE
 trap 'rm -rf "$CACHE"' EXIT
 

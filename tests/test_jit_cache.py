@@ -157,3 +157,29 @@ def test_launch_passes_numpy_structs_by_pointer(monkeypatch):
     assert seen["grid"] == (3, 2) and seen["block"] == (256,) and seen["shared_mem"] == 4096
     assert seen["stream"] == "stream" and seen["args"][1] == 7
     assert isinstance(seen["args"][0], CPointer)
+
+
+def test_cache_pack_names_the_entries_the_package_reads_and_leaves_the_tables_alone(cache):
+    """scripts/cache_pack.py packs _jit.entry_path's files (where compile_variant looks) and lists the
+    probes' variants by editing the heuristics tables, which it must restore."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    from cuflash import compile_report, heuristics
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    import cache_pack
+
+    names = ("FA3_BWD_BLOCK_M", "FA2_TILES", "FA2_BWD_TILES", "FA2_BWD_TILES_PLAIN", "FA2_BWD_TILES_PLAIN_SM90")
+    tables = {name: copy.deepcopy(getattr(heuristics, name)) for name in names}
+    extra = cache_pack.probe_variants()
+    assert {name: getattr(heuristics, name) for name in names} == tables
+    assert len(set(extra) - set(compile_report.all_variants("sm_90a"))) > 20  # beyond the tables
+
+    v = _variant()
+    path = _jit.entry_path(v, ARCH)
+    assert path.parent == cache
+    cache.mkdir()
+    _jit._write_entry_atomically(path, _jit._encode_entry(b"cubin", "log"))
+    assert _jit.compile_variant(v, ARCH).cubin == b"cubin"  # found where entry_path said
