@@ -101,18 +101,21 @@ FA2_BWD_TILES_PLAIN = {
     64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
 }
 # ... and on sm_90 (these layouts sit at 255 registers; ptxas for sm_80 spills 16-72 bytes of them with
-# NVRTC 13.0 or 13.5, for sm_90a neither does): FlashAttention-2's tiles, twice the keys per block of the
-# general rows, so half the Q / dO passes and dQ atomics per key and larger warp tiles per ldmatrix (bytes
-# of shared memory per MAC 0.181 -> ~0.13 at d = 128, 0.216 -> ~0.15 at d = 256). d = 128: 64 x 128, dQ
-# with 4 warp rows in 2 column chunks; d = 256: 64 x 64 (one Q / dO stage: 145 KB), S / dP in 2 chunks,
-# dQ in 4. With ALiBi or dropout alone NVRTC 13.0 spills 24-40 bytes at d = 256, so the feature variants
-# keep the general rows. H200 (scripts/tune_fa2_bwd.py, session 8), N = 8k: d = 128 186 -> 253-267 TF/s
-# (0.60 -> 0.86-0.87 of torch flash; predicted 0.76-0.81), d = 256 125 -> 185-189 (0.48 -> 0.71-0.76;
-# predicted 0.60-0.68). Rejected: d = 128 with dQ in one chunk (+4 %, but 8 bytes spilled), d = 256 with
-# S / dP in one chunk (+5 %, 48 bytes spilled).
+# NVRTC 13.0 or 13.5, for sm_90a neither does): FlashAttention-2's tiles or wider, more keys per block than
+# the general rows, so fewer Q / dO passes and dQ atomics per key and larger warp tiles per ldmatrix. d = 64:
+# 64 x 256 (half the Q / dO passes of the other d = 64 rows; dK / dV 64 x 32 per warp, dQ with 4 warp rows),
+# S / dP in 2 chunks. d = 128: 64 x 128, dQ with 4 warp rows in 2 column chunks. d = 256: 64 x 64 with two
+# Q / dO stages (210 KB: the next Q / dO tiles stream in under this block), S / dP in one 32 x 16 chunk
+# per warp (warps_s_m = 2), dQ in 2 column chunks. With ALiBi or dropout alone NVRTC 13.0 spills 24-40
+# bytes at d = 256, so the feature variants keep the general rows. H200 (scripts/tune_fa2_bwd.py), N = 2k /
+# 8k, of torch flash: d = 64 0.79-0.83 -> 0.84-0.92 (session 9; FlashAttention-2's 128 x 128 0.87-0.91),
+# d = 128 0.60 -> 0.86-0.87 (session 8), d = 256 0.48 -> 0.71-0.76 (session 8) -> 0.83-0.86 (session 9).
+# Rejected: d = 128 with dQ in one chunk (+4 %, but 8 bytes spilled), d = 256 with S / dP in one 16 x 32
+# chunk (+5 %, 48 bytes spilled).
 FA2_BWD_TILES_PLAIN_SM90 = {
+    64: Fa2BwdTiles(64, 256, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=2, q_split=1),
     128: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=4, s_split=1, q_split=2),
-    256: Fa2BwdTiles(64, 64, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=4, s_split=2, q_split=4),
+    256: Fa2BwdTiles(64, 64, 8, 2, warps_s_m=2, warps_kv_n=2, warps_q_m=4, s_split=1, q_split=2),
 }
 
 

@@ -19,7 +19,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from cuflash import _jit, compile_report, fa2, fa3, heuristics
+from cuflash import _jit, compile_report, fa2, heuristics
 
 ARCH = "sm_90a"
 DEVICE_NVRTC = (13, 0)
@@ -33,13 +33,10 @@ def probe_variants() -> list:
     import tune_fa2_bwd
 
     variants = list(fa3_exp2_probe.probe_variants([64, 128], [0, 8, 4, 2]))
-    tables = (heuristics.FA3_BWD_BLOCK_M, heuristics.FA2_TILES, heuristics.FA2_BWD_TILES,
-              heuristics.FA2_BWD_TILES_PLAIN, heuristics.FA2_BWD_TILES_PLAIN_SM90)
+    tables = (heuristics.FA2_TILES, heuristics.FA2_BWD_TILES, heuristics.FA2_BWD_TILES_PLAIN,
+              heuristics.FA2_BWD_TILES_PLAIN_SM90)
     saved = [dict(t) for t in tables]
     try:
-        # scripts/fa3_bwd_probe.py: the FA3 backward with 64-query steps where the table has more
-        heuristics.FA3_BWD_BLOCK_M.clear()
-        variants += [fa3.bwd_variant(d, "bfloat16") for d in saved[0]]
         # the tune stage's FA2 candidates (each script's use() sets the tables the same way)
         for d in (128, 256):
             for tiles in tune_fa2.CANDIDATES[d]:

@@ -87,13 +87,11 @@ for stage in "${stages[@]}"; do
     probes)
       # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
       # exponentials partly on the FMA pipe (exp2_emu 0 / 8 / 4 / 2; d = 64 and 128, bf16 and FP8); decode
-      # by splits for page sizes 16 / 64 / 256; the FA3 backward's query rows per step.
+      # by splits for page sizes 16 / 64 / 256.
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
       probe scripts/fa3_exp2_probe.py --headdims 64,128 --seqlens 2048,8192 --emu 0,8,4,2
       # decode's split heuristic was fitted on page size 1: do larger pages split like a contiguous cache?
-      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,16,33 --page-sizes 0,16,64,256
-      # the FA3 backward at d = 64: 64 against 128 query rows per step (heuristics.FA3_BWD_BLOCK_M)
-      probe scripts/fa3_bwd_probe.py --seqlens 2048,8192 ;;
+      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,16,33 --page-sizes 0,16,64,256 ;;
     warm-probes)
       # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
       # GPU tests of the switches they A/B find them compiled.

@@ -12,7 +12,8 @@
 # left alone (--clock-control none, as the device notes ask). Full reports go to $OUT/ncu-<case>.txt (with
 # SourceCounters: the SASS lines where warps stall most); the summary lines (duration, SM and memory
 # throughput, tensor pipe, issue-slot use, shared-memory pipe use, the top stall reasons, DRAM bytes) are
-# printed per kernel.
+# printed per kernel. NCU_SASS=REGEX adds, per case, a CSV of the matching kernels' SASS with the stall
+# samples of each instruction ($OUT/ncu-<case>-sass.csv).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -40,6 +41,14 @@ for case in $CASES; do
     --metrics "$METRICS" "${driver[@]}" > "$log" 2>&1 || status=1
   grep -E '^\s+[a-z_0-9]+.*\(|Duration|^\s+(Compute \(SM\) Throughput|Memory Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|No Eligible|Shared Memory|Mem Pipes Busy)|Stall|Pipe|sm__pipe_tensor|sm__inst_executed_pipe_tensor|smsp__issue_active|dram__bytes|lts__t_bytes' "$log" \
     | grep -vE '^\s*$' | head -40
+  if [ -n "${NCU_SASS:-}" ]; then
+    # Per SASS instruction: executed count and warp stall samples by reason (CSV), for the kernels whose name
+    # matches NCU_SASS (a regex, e.g. "fa3_bwd"): which instructions the warps wait at, and for what.
+    timeout ${NCU_TIMEOUT:-300} "$NCU" --profile-from-start off --target-processes all --clock-control none \
+      --kernel-name "regex:$NCU_SASS" --section SourceCounters --section WarpStateStats \
+      --page source --print-source sass --csv "${driver[@]}" > "${log%.txt}-sass.csv" 2>&1 || status=1
+    echo "sass: $(wc -l < "${log%.txt}-sass.csv") lines in ${log%.txt}-sass.csv"
+  fi
 done
 echo "=== done status=$status"
 exit $status

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash import fa3, heuristics, iomodel
+from cuflash import fa2, fa3, heuristics, iomodel
 from cuflash.__main__ import main
 from cuflash.reference import mask_matrix
 
@@ -568,8 +568,10 @@ def test_tiles_from_tables_and_overrides():
     t1 = heuristics.FA1_TILES[256]
     assert bwd("fa1", 1024, 256)["tiles"] == {"block_m": 16 * t1.bwd_key_warps, "block_n": 16 * t1.bwd_key_warps,
                                                "d_split": t1.bwd_d_split}
-    tb = heuristics.FA2_BWD_TILES[64]
+    tb = fa2.bwd_tiles(64, sm90=True)  # the plain variant's row on sm_90 (predict's default: hopper=True)
     assert bwd("fa2", 1024, 64)["tiles"] == {"block_m": tb.block_m, "block_n": tb.block_n}
+    tb = fa2.bwd_tiles(64)
+    assert bwd("fa2", 1024, 64, hopper=False)["tiles"] == {"block_m": tb.block_m, "block_n": tb.block_n}
     assert fwd("fa2", 1024, 128, block_m=64, block_n=64)["tiles"]["block_m"] == 64
     assert fwd("fa1", 1024, 512, block_m=32, block_n=32)["tiles"] == {"block_m": 32, "block_n": 32}
     assert fwd("naive", 1024, 128)["tiles"] == {}
