@@ -708,6 +708,22 @@ def test_ncu_dry_run(tmp_path, capsys):
     assert "--seqlen-q 1 --num-splits" in out  # decode's split count from the model, passed to the call
 
 
+def test_ncu_render_reproduces_the_committed_table(tmp_path):
+    """--render rewrites the markdown from a run's JSON: the committed H200 table is that rendering (its
+    numbers are the run's), and the check column takes the reads."""
+    mod = _ncu_script()
+    committed = ROOT / "bench" / "results" / "h200-iomodel-ncu.json"
+    assert mod.main(["--render", str(committed), "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "iomodel_ncu.md").read_text()
+    assert md == (ROOT / "bench" / "results" / "h200-iomodel-ncu.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and "GB" not in line and "---" not in line]
+    cases = json.loads(committed.read_text())["cases"]
+    assert len([r for r in rows if r.count("|") == 11]) == len(cases)
+    inside = [c["predicted"]["hbm_read_bytes_min"] * 0.95 <= c["measured"]["read_bytes"]
+              <= c["predicted"]["hbm_read_bytes"] * 1.05 for c in cases]
+    assert md.count("| yes |") == sum(inside) and md.count("| no |") == len(inside) - sum(inside)
+
+
 def test_ncu_default_cases():
     mod = _ncu_script()
     cases = mod._cases(mod.parse_args([]))
