@@ -34,7 +34,7 @@ stages=("$@")
 status=0
 risky=${RISKY:-"tests/test_hopper_probe.py tests/test_fa3_gpu.py tests/test_decode_gpu.py tests/test_fuzz_gpu.py tests/test_streams_graphs_gpu.py
        tests/test_bench_gpu.py tests/test_adapters_gpu.py tests/test_fp8_gpu.py tests/test_fp8_attention_gpu.py
-       tests/test_special_values_gpu.py"}
+       tests/test_special_values_gpu.py tests/test_large_gpu.py"}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
 python3 -c "import cupy, torch; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'torch', torch.__version__)"
@@ -55,7 +55,8 @@ for stage in "${stages[@]}"; do
     risky)
       # Kernels that can hang (mbarrier waits) or fault (code new to the GPU), and the files that run every
       # available family (streams/graphs, bench, adapters), run in their own processes, each under a
-      # timeout, so one bad kernel cannot take the rest of the tier with it. One combined log comes back.
+      # timeout, so one bad kernel cannot take the rest of the tier with it; test_large_gpu too (it needs
+      # 48 GB free, which the main tier's memory pool does not leave). One combined log comes back.
       : > "$OUT/risky.log"
       for f in $risky; do
         name=$(basename "$f" .py)
