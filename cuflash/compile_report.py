@@ -178,9 +178,14 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def compile_all(arch: str, family: str | None = None, jobs: int = 1) -> list[dict]:
+    """One report row per variant of the package's tables (compile_variants)."""
+    return compile_variants(all_variants(arch, family), arch, jobs)
+
+
+def compile_variants(variants: list[Variant], arch: str, jobs: int = 1) -> list[dict]:
     """One report row per variant. NVRTC is single-threaded per program, so ``jobs`` worker processes
     compile in parallel; each writes its cubin to the shared disk cache (which is what warms it)."""
-    variants = all_variants(arch, family)
+    variants = list(variants)
     if jobs <= 1 or len(variants) <= 1:
         return [report_variant(v, arch) for v in variants]
     import concurrent.futures

@@ -129,7 +129,7 @@ class Fa3Tiles:
     # the two consumer warpgroups take turns issuing their GEMMs (named barriers; kernels_cu/fa3/fwd.cu)
     pingpong: bool = True
     # the softmax computes one group of 8 key columns in exp2_emu on the FMA pipe instead of the SFU
-    # (common/ptx.cuh, poly_exp2); 0 = none
+    # (common/poly_exp2.cuh); 0 = none
     exp2_emu: int = 0
 
 
@@ -188,6 +188,10 @@ FA3_FP8_TILES = {
     128: Fa3Tiles(block_n=128, stages=2),
     256: Fa3Tiles(block_n=128, stages=2, intra_wg_overlap=False),
 }
+
+# Every table the FA3 forward takes its tiles from (cuflash.fa3.fwd_tiles): what a switch of all its rows
+# (exp2_emu in scripts/fa3_exp2_probe.py and tests/gpu_checks.py) edits in place.
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES)
 
 
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a

@@ -101,7 +101,7 @@ from dataclasses import dataclass, field
 
 from . import fa2, fa3, heuristics
 from ._validate import Dims, window_bounds
-from .reference import decode_split_tiles, kv_block_range
+from .reference import decode_split_tiles, kv_block_range, visible_key_span
 
 __all__ = ["IMPLS", "DIRECTIONS", "predict", "q_block_range", "visible_pairs", "add_arguments", "run"]
 
@@ -471,15 +471,9 @@ def _fa3_backward(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], i
 # ----------------------------------------------------------------------------------------------------
 
 def _key_span(s: _Shape, i_first: int, i_last: int) -> tuple[int, int]:
-    """Keys that query rows i_first..i_last see, (first, last) inclusive (last < first: none), bottom-right
-    aligned as kernels_cu/common/mask.cuh."""
-    left, right = s.window
-    if s.causal:
-        right = 0
-    diag = s.seqlen_k - s.seqlen_q
-    first = 0 if left < 0 else max(0, i_first + diag - left)
-    last = s.seqlen_k - 1 if right < 0 else min(s.seqlen_k - 1, i_last + diag + right)
-    return first, last
+    """Keys that query rows i_first..i_last see, (first, last) inclusive (last < first: none)."""
+    return visible_key_span(i_first, i_last, seqlen_q=s.seqlen_q, seqlen_k=s.seqlen_k, causal=s.causal,
+                            window_size=s.window)
 
 
 def _decode(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], int, int, int]:

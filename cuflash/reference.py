@@ -681,6 +681,17 @@ def attention_naive_backward(dout, q, k, v, out, *, causal=False, softmax_scale=
 # NumPy model of the tiled FlashAttention-1 algorithm
 # ----------------------------------------------------------------------------------------------------
 
+def visible_key_span(row_first, row_last, *, seqlen_q, seqlen_k, causal=False, window_size=(-1, -1)):
+    """Keys that query rows ``row_first`` .. ``row_last`` see together: ``(first, last)`` inclusive, clipped
+    to [0, Sk) (``last < first``: none). Row i sees [i + off - left, i + off + right], off = Sk - Sq
+    (bottom-right aligned, as kernels_cu/common/mask.cuh)."""
+    left, right = _effective_window(causal, window_size)
+    off = seqlen_k - seqlen_q
+    first = max(0, row_first + off - left) if left >= 0 else 0
+    last = min(seqlen_k - 1, row_last + off + right) if right >= 0 else seqlen_k - 1
+    return first, last
+
+
 def kv_block_range(m_block, *, seqlen_q, seqlen_k, block_m, block_n, causal=False, window_size=(-1, -1)):
     """K/V blocks that Q block ``m_block`` must visit: ``(n_block_min, n_block_max)``, max exclusive.
 
@@ -693,14 +704,12 @@ def kv_block_range(m_block, *, seqlen_q, seqlen_k, block_m, block_n, causal=Fals
     Note for C: the divisions below are floor divisions of possibly negative numbers; C's ``/``
     truncates toward zero, so clamp to >= 0 before dividing (as done here) or use a floor-div helper.
     """
-    left, right = _effective_window(causal, window_size)
     row_lo = m_block * block_m
     row_hi = min((m_block + 1) * block_m, seqlen_q) - 1  # last real row of the block
     if row_lo > row_hi or seqlen_k <= 0:
         return 0, 0
-    off = seqlen_k - seqlen_q
-    key_lo = max(0, row_lo + off - left) if left >= 0 else 0
-    key_hi = min(seqlen_k - 1, row_hi + off + right) if right >= 0 else seqlen_k - 1
+    key_lo, key_hi = visible_key_span(row_lo, row_hi, seqlen_q=seqlen_q, seqlen_k=seqlen_k, causal=causal,
+                                      window_size=window_size)
     if key_hi < key_lo:
         return 0, 0
     return key_lo // block_n, key_hi // block_n + 1

@@ -12,8 +12,6 @@ scripts/gpu_check.sh A/B beyond the tables. scripts/gpu_check.sh unpacks .cache-
 $CUFLASH_CACHE_DIR before its stages; the pack's directory is git-ignored (name it in the call's carry).
 """
 import argparse
-import concurrent.futures
-import multiprocessing
 import os
 import sys
 import tarfile
@@ -67,9 +65,7 @@ def main():
     variants = list(dict.fromkeys(compile_report.all_variants(ARCH) + ([] if args.no_probes else probe_variants())))
     missing = [v for v in variants if not _jit.entry_path(v, ARCH).is_file()]
     print(f"{len(variants)} variants, {len(missing)} to compile ({args.jobs} at a time)", flush=True)
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs,
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(compile_report.report_variant, missing, [ARCH] * len(missing)))
+    rows = compile_report.compile_variants(missing, ARCH, args.jobs)
     bad = [f"{r['name']}: {compile_report.problems(r)}" for r in rows if compile_report.problems(r)]
     if bad:
         print("problems (packed all the same):", *bad, sep="\n  ")

@@ -18,7 +18,7 @@ import dataclasses
 from cuflash import fa3, heuristics
 
 # the forward's tile tables (fa3 imports some of them by name: the same dicts, so edits in place reach it)
-TABLES = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG, heuristics.FA3_FP8_TILES)
+TABLES = heuristics.FA3_FORWARD_TABLES
 
 
 @contextlib.contextmanager
@@ -72,16 +72,11 @@ def probe_variants(headdims, emus) -> set:
 def precompile(headdims, emus):
     """Every variant the timings take, compiled in parallel into the disk cache first (NVRTC compiles one
     program per thread: ~20 s apiece on the H200 machine, one at a time inside the timing loop)."""
-    import concurrent.futures
-    import multiprocessing
     import os
 
     from cuflash import compile_report
 
-    variants = probe_variants(headdims, emus)
-    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count(),
-                                                mp_context=multiprocessing.get_context("spawn")) as pool:
-        rows = list(pool.map(compile_report.report_variant, variants, ["sm_90a"] * len(variants)))
+    rows = compile_report.compile_variants(probe_variants(headdims, emus), "sm_90a", os.cpu_count())
     bad = [f"{r['name']}: {compile_report.problems(r)}" for r in rows if compile_report.problems(r)]
     print(f"compiled {len(rows)} variants" + (f"; problems: {bad}" if bad else ""), flush=True)
 

@@ -127,7 +127,6 @@ def with_exp2_emu(monkeypatch, k):
 
     from cuflash import heuristics
 
-    for table in (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG,
-                  heuristics.FA3_FP8_TILES):
+    for table in heuristics.FA3_FORWARD_TABLES:
         for d, t in list(table.items()):
             monkeypatch.setitem(table, d, dataclasses.replace(t, exp2_emu=k))
