@@ -18,7 +18,7 @@ from cuflash.bench import time_fn
 def section_heads(kv_bytes_per_head: int, budget: int) -> int:
     """common/tile_scheduler.cuh's l2_section_heads (non-causal calls; GQA groups aside)."""
     fit, section = budget // max(kv_bytes_per_head, 1), 1
-    while section * 2 <= fit:
+    while section * 2 <= fit and section < (1 << 20):
         section *= 2
     return section
 
