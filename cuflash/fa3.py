@@ -42,7 +42,8 @@ PARAMS = np.dtype(
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
     + pointer_fields("q_descale", "k_descale", "v_descale")
-    + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")],
+    + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")]
+    + [("l2_section_kib", np.int32)],
     align=True,
 )
 FP8_TRANSPOSE_PARAMS = np.dtype(
@@ -251,6 +252,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
+    p["l2_section_kib"] = heuristics.FA3_L2_SECTION_KIB
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
@@ -299,6 +301,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
                                vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
     map_o = _tensor_map(out, 64)
     p = np.zeros(1, PARAMS)
+    p["l2_section_kib"] = heuristics.FA3_L2_SECTION_KIB
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     fill_strides(p, "o", out)
     fill_row_strides(p, dims, None)

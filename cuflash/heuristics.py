@@ -176,6 +176,13 @@ FA3_TILES_3WG = {
 # diagonal, and fewer tiles than SMs at 1k.)
 FA3_3WG_MIN_MASKED_SEQLEN = 8192
 
+# The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
+# of two) as fit their K and V in this many KiB run together, so the blocks of a round share K/V in L2
+# (kernels_cu/common/tile_scheduler.cuh). 32 MiB is about half the H200's L2, leaving room for Q and O; at
+# N = 16k, d = 128 that is 4 heads (8 MB each), at 8k 8 heads. Not tuned yet: d = 128 non-causal measured
+# 661 TF/s at 8k and 608 at 16k (session 9); scripts/fa3_l2_probe.py times other budgets.
+FA3_L2_SECTION_KIB = 32 * 1024
+
 
 # head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:
 # a V^T tile row of 128 keys is exactly one 128-byte swizzle atom. Tiles are half the bytes of bf16's, so

@@ -87,12 +87,10 @@ for stage in "${stages[@]}"; do
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
       # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
-      # exponentials partly on the FMA pipe (exp2_emu 0 / 8 / 4 / 2; d = 64 and 128, bf16 and FP8); decode
-      # by splits for page sizes 16 / 64 / 256.
+      # L2 section budget (heuristics.FA3_L2_SECTION_KIB; d = 128 non-causal drops from 661 TF/s at 8k to 608
+      # at 16k). Earlier probes (fa3_exp2_probe.py, decode_probe.py, ...) stay in scripts/.
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
-      probe scripts/fa3_exp2_probe.py --headdims 64,128 --seqlens 2048,8192 --emu 0,8,4,2
-      # decode's split heuristic was fitted on page size 1: do larger pages split like a contiguous cache?
-      probe scripts/decode_probe.py --shapes 1x32768,16x8192 --splits 1,2,16,33 --page-sizes 0,16,64,256 ;;
+      probe scripts/fa3_l2_probe.py --headdims 64,128,256 --seqlens 8192,16384 --mib 8,16,32,48 ;;
     warm-probes)
       # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
       # GPU tests of the switches they A/B find them compiled.

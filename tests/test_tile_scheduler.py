@@ -109,3 +109,20 @@ def test_l2_section_heads(lib):
     for kv_bytes, want in [(1 * mib, 32), (3 * mib, 8), (8 * mib, 4), (32 * mib, 1), (100 * mib, 1), (256 << 10, 128),
                            (0, 1 << 20), (-5, 1 << 20)]:
         assert lib.scheduler_section_heads(kv_bytes) == want, kv_bytes
+
+
+def test_l2_probe_and_iomodel_section_heads_match_the_kernel(lib):
+    """scripts/fa3_l2_probe.py labels each budget with the heads per section, and cuflash.iomodel orders the
+    FA3 tiles by sections: both model tile_scheduler.cuh's l2_section_heads (here at the default 32 MiB)."""
+    import importlib.util
+    from pathlib import Path
+
+    from cuflash import heuristics
+
+    path = Path(__file__).parents[1] / "scripts" / "fa3_l2_probe.py"
+    spec = importlib.util.spec_from_file_location("fa3_l2_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert heuristics.FA3_L2_SECTION_KIB << 10 == 32 << 20  # the harness's budget
+    for kv_bytes in (1, 1 << 20, 3 << 20, 4 << 20, 8 << 20, 16 << 20, 33 << 20, 256 << 10):
+        assert probe.section_heads(kv_bytes, 32 << 20) == lib.scheduler_section_heads(kv_bytes), kv_bytes

@@ -23,10 +23,11 @@ struct Tile {
     int m_block, head, batch;
 };
 
-// Pairs of (head, batch) per L2 section: as many as fit `kv_bytes_per_head` each in ~32 MB (half the
-// H200's 50 MB L2, leaving room for Q and O), rounded down to a power of two, at least one.
-__device__ __forceinline__ int l2_section_heads(i64 kv_bytes_per_head) {
-    const i64 fit = (i64(32) << 20) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
+// Pairs of (head, batch) per L2 section: as many as fit `kv_bytes_per_head` each in `budget` bytes
+// (cuflash/heuristics.py FA3_L2_SECTION_KIB: about half the H200's L2, leaving room for Q and O), rounded
+// down to a power of two, at least one.
+__device__ __forceinline__ int l2_section_heads(i64 kv_bytes_per_head, i64 budget) {
+    const i64 fit = budget / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
     int section = 1;
     while (section * 2 <= fit && section < (1 << 20)) section *= 2;
     return section;

@@ -399,7 +399,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const bool equal_tiles = p.window_left >= p.seqlen_k && p.window_right >= p.seqlen_q;
     const int l2_section = !equal_tiles && 2 * pairs < int(gridDim.x)
                                ? pairs
-                               : l2_section_heads(i64(p.seqlen_k) * DP * ELEM_BYTES * 2 / (PACK_GQA ? 1 : group));
+                               : l2_section_heads(i64(p.seqlen_k) * DP * ELEM_BYTES * 2 / (PACK_GQA ? 1 : group),
+                                                  i64(p.l2_section_kib) << 10);
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);

@@ -42,6 +42,6 @@ long long scheduler_walk(int m_blocks, int heads, int batch, int section, int gr
     return count;
 }
 
-int scheduler_section_heads(long long kv_bytes_per_head) { return l2_section_heads(kv_bytes_per_head); }
+int scheduler_section_heads(long long kv_bytes_per_head) { return l2_section_heads(kv_bytes_per_head, 32ll << 20); }
 
 }  // extern "C"

@@ -1,0 +1,68 @@
+"""A/B of the FA3 forward's L2 section budget (heuristics.FA3_L2_SECTION_KIB: how much K/V the persistent
+scheduler's concurrently running (head, batch) pairs share in L2), in one process: bf16, FlashAttention
+benchmark shapes (16k tokens, hidden 2048), causal and not, torch's cuDNN backend beside. Prints TF/s per
+budget and the heads per section each budget gives (a budget changes the timing only where it changes that).
+
+    python scripts/fa3_l2_probe.py [--headdims 128] [--seqlens 8192,16384] [--mib 8,16,32,48] [--reps 20]
+"""
+import argparse
+
+import cupy
+import numpy as np
+
+import cuflash
+from cuflash import heuristics
+from cuflash.bench import time_fn
+
+
+def section_heads(kv_bytes_per_head: int, budget: int) -> int:
+    """common/tile_scheduler.cuh's l2_section_heads (non-causal calls; GQA groups aside)."""
+    fit, section = budget // max(kv_bytes_per_head, 1), 1
+    while section * 2 <= fit and section < (1 << 20):
+        section *= 2
+    return section
+
+
+def main():
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--headdims", type=ints, default=[128])
+    parser.add_argument("--seqlens", type=ints, default=[8192, 16384])
+    parser.add_argument("--mib", type=ints, default=[8, 16, 32, 48])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    table = heuristics.FA3_L2_SECTION_KIB
+    rng = np.random.default_rng(0)
+    try:
+        for d in args.headdims:
+            for n in args.seqlens:
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v = (cupy.asarray(rng.standard_normal((b, n, h, d), dtype=np.float32)).astype("bfloat16")
+                           for _ in range(3))
+                kv_bytes = n * (d + 63) // 64 * 64 * 2 * 2
+                for causal in (False, True):
+                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                    cells = []
+                    for mib in args.mib:
+                        heuristics.FA3_L2_SECTION_KIB = mib * 1024  # cuflash.fa3 reads it at each call
+                        ms = time_fn(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 3,
+                                     args.reps)
+                        cells.append(f"{mib} MiB ({section_heads(kv_bytes, mib << 20)} heads) {flops / ms / 1e9:5.0f}")
+                    try:
+                        import torch
+                        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                            ms = time_fn(lambda: torch.nn.functional.scaled_dot_product_attention(
+                                tq, tk, tv, is_causal=causal), 3, args.reps)
+                        cells.append(f"torch-cudnn {flops / ms / 1e9:5.0f}")
+                    except Exception as exc:  # no torch, or no cuDNN attention on this GPU / build
+                        cells.append(f"(torch-cudnn not timed: {exc})")
+                    print(f"d={d:3d} N={n:5d} causal={causal!s:5} " + " | ".join(cells), flush=True)
+    finally:
+        heuristics.FA3_L2_SECTION_KIB = table
+
+
+if __name__ == "__main__":
+    main()
