@@ -517,7 +517,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         mb = decode.m_blocks(dims)
         if splits == 0:
             splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
-                                       device_properties(call.device.id)["multiProcessorCount"], paged=dims.paged)
+                                       device_properties(call.device.id)["multiProcessorCount"], paged=dims.paged,
+                                       page_size=dims.page_size if dims.paged else None)
         _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
         if "out" in spec:
             _validate.check_like(spec["out"], spec["q"])
@@ -568,10 +569,12 @@ def _workspace_parts(splits: int, rotary: bool, int_seqlens: bool) -> str:
     return ", ".join(parts)
 
 
-def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, paged=False, device=None) -> int:
+def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, paged=False, page_size=None,
+                       device=None) -> int:
     """The number of KV splits ``flash_attn_with_kvcache(num_splits=0)`` uses on ``device`` (default: the
     current one) for this call's sizes; ``paged=True`` for a paged cache (a call with a ``page_table``), which
-    may take more splits. ``max_keys``: the keys of the longest entry after the append --
+    may take more splits, and its ``page_size`` (k_cache.shape[1]; None: the count of the smallest pages,
+    an upper bound for any). ``max_keys``: the keys of the longest entry after the append --
     with ``check=False`` the call takes the cache's capacity (k_cache.shape[1], or page_table.shape[1] x
     page_size); with ``check=True`` max(cache_seqlens) + seqlen_new, never more than the capacity, and the
     count never grows with fewer keys: the capacity's count bounds both (size workspaces with it)."""
@@ -589,8 +592,10 @@ def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, p
     sms = device_properties(device_id() if device is None else device)["multiProcessorCount"]
     if not isinstance(paged, bool):
         raise TypeError(f"paged must be a bool; got {type(paged).__name__}")
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
+        raise ValueError(f"page_size must be a positive int or None; got {page_size!r}")
     return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms,
-                             paged=paged)
+                             paged=paged, page_size=page_size)
 
 
 def kvcache_workspace_bytes(batch, heads, seqlen_q, headdim, num_splits, *, dtype="bfloat16", rotary=False,

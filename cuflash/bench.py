@@ -712,7 +712,8 @@ def _cuflash_decode(case: DecodeCase, page_size: int) -> DecodeTimed:
 
     s = case.shape
     kc, vc, table = case.paged(page_size) if page_size else (case.k, case.v, None)
-    splits = kvcache_num_splits(s.batch, s.heads, s.kv_heads, s.seqlen_q, s.headdim, s.seqlen_k, paged=bool(page_size))
+    splits = kvcache_num_splits(s.batch, s.heads, s.kv_heads, s.seqlen_q, s.headdim, s.seqlen_k, paged=bool(page_size),
+                                page_size=page_size or None)
     out = cupy.empty_like(case.q)
     workspace = cupy.empty(kvcache_workspace_bytes(s.batch, s.heads, s.seqlen_q, s.headdim, splits), dtype=cupy.uint8)
 

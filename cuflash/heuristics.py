@@ -242,10 +242,17 @@ DECODE_TILES = {
 DECODE_BLOCK_M = 16  # query rows per thread block (one m16 MMA tile)
 DECODE_MAX_SPLITS = 128  # the combine reads every split's partial O: past this the merge costs more than it buys
 DECODE_MIN_TILES_PER_SPLIT = 4  # a split streams at least 4 tiles (256 keys): its partial write stays small next to its reads
+# Page sizes from which a paged cache splits like a contiguous one (decode_num_splits' paged rule is for smaller
+# pages). H200 (scripts/decode_probe.py, session 9; 32 query / 8 KV heads, d = 128, us for 1 / 2 / 16 / 33
+# splits): 1 x 32k contiguous - / - / 39.3 / 42.9, page 16 - / - / 44.9 / 44.6, page 64 - / - / 40.9 /
+# 42.3, page 256 - / - / 40.1 / 42.2; 16 x 8k contiguous 123.0 / 129.9, page 16 141.7 / 131.6, page 64
+# 131.5 / 132.5, page 256 132.8 / 131.8. From page 64 the contiguous counts (16 and 1) are as fast or 3-5 %
+# faster; at page 16 the paged rule's (33 and 2) still win at 16 x 8k (7 %). Page 1 fitted the rule.
+DECODE_SMALL_PAGE_BELOW = 64
 
 
 def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, block_n: int, num_sms: int,
-                      paged: bool = False) -> int:
+                      paged: bool = False, page_size: int | None = None) -> int:
     """KV splits for a decode call (num_splits=0). Flash-Decoding: when batch x kv_heads x m_blocks thread
     blocks cannot fill the GPU, split each entry's keys: a contiguous cache into one wave of one block per
     SM (H200, 1 x 32k, 8 KV heads, d = 128: 16 splits 39.7 µs, 12 40.0, 24 44.0, 33 43.0 -- one block per SM
@@ -257,7 +264,9 @@ def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, b
     unsplit grid is about one block per SM: there two splits give each SM a second block (H200, 16 x 8k,
     page size 1: 148 -> 132 µs; a contiguous cache there is 123 µs unsplit and 129 with two splits).
     ``max_keys``: the longest entry's key count (or the cache capacity when the lengths are not known on
-    the host)."""
+    the host). ``page_size``: a paged cache's; from DECODE_SMALL_PAGE_BELOW it splits like a contiguous
+    one (None: the paged rule, an upper bound of both)."""
+    paged = paged and (page_size is None or page_size < DECODE_SMALL_PAGE_BELOW)
     blocks = batch * kv_heads * m_blocks
     tiles = -(-max_keys // block_n)
     if blocks >= 0.8 * num_sms:

@@ -473,7 +473,8 @@ def test_unchecked_call_reads_nothing_on_the_host(spec_env, paged):
         _call(KV, args)()
     assert not cupy.asnumpy.called and not cupy.ndarray.get.called
     capacity = MAXP * PAGE if paged else CACHE
-    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132, paged=paged)
+    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132, paged=paged,
+                                        page_size=PAGE if paged else None)
     assert spec_env["launches"][-1][1][12] == want
 
 
@@ -490,6 +491,14 @@ def test_kvcache_num_splits_is_the_call_s_choice_and_bounds_it(spec_env):
         api.kvcache_num_splits(1, 8, 2, 1, 96, 100, device=0)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         api.kvcache_num_splits(1, 8, 3, 1, 128, 100, device=0)
+    for size in (1, 16, 256):  # the page size the call passes on; the paged count without one bounds them
+        got = api.kvcache_num_splits(1, 32, 8, 1, D, 32768, paged=True, page_size=size, device=0)
+        assert got == heuristics.decode_num_splits(1, 8, 1, 32768, heuristics.DECODE_TILES[D].block_n, 132,
+                                                   paged=True, page_size=size)
+        assert got <= api.kvcache_num_splits(1, 32, 8, 1, D, 32768, paged=True, device=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="page_size"):
+            api.kvcache_num_splits(1, 8, 2, 1, 128, 100, paged=True, page_size=bad, device=0)
 
 
 def test_kvcache_workspace_bytes():
@@ -689,6 +698,16 @@ def test_split_heuristic():
     assert f(32, 8, 1, 8192, 64, 132, paged=True) == 1  # 256 blocks: two waves' worth already
     assert f(16, 8, 1, 7 * 64, 64, 132, paged=True) == 1  # 7 tiles: no split of fewer than 4
     assert f(1, 8, 1, 32768, 64, 132, paged=True) == 33  # small grids: about two blocks per SM
+    # ... for small pages: from DECODE_SMALL_PAGE_BELOW a paged cache splits like a contiguous one
+    small = heuristics.DECODE_SMALL_PAGE_BELOW
+    assert f(1, 8, 1, 32768, 64, 132, paged=True, page_size=small - 1) == 33
+    assert f(1, 8, 1, 32768, 64, 132, paged=True, page_size=small) == f(1, 8, 1, 32768, 64, 132) == 16
+    assert f(16, 8, 1, 8192, 64, 132, paged=True, page_size=256) == 1
+    assert f(16, 8, 1, 8192, 64, 132, paged=True, page_size=1) == 2
+    for batch in (1, 4, 16, 100):  # the paged rule bounds every page size's count (workspaces are sized by it)
+        for size in (1, 16, 64, 256):
+            assert f(batch, 8, 1, 32768, 64, 132, paged=True, page_size=size) <= f(batch, 8, 1, 32768, 64, 132,
+                                                                                   paged=True)
     for paged in (False, True):
         for batch in (1, 2, 4, 16, 30, 33, 100):
             previous = None
