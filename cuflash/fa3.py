@@ -68,12 +68,15 @@ def _short_masked(window: tuple[int, int], dims: Dims) -> bool:
 
 
 def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: bool = False,
-              pack_gqa: bool = False, short_masked: bool = False) -> heuristics.Fa3Tiles:
-    """The forward's tiles: FA3_FP8_TILES for FP8; FA3_TILES_3WG where it has the head dim and neither
-    softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
-    _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
+              pack_gqa: bool = False, short_masked: bool = False, long_rows: bool = False) -> heuristics.Fa3Tiles:
+    """The forward's tiles: for FP8, FA3_FP8_TILES_LONG where it has the head dim and the rows are long
+    (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN), else FA3_FP8_TILES; FA3_TILES_3WG where it has the
+    head dim and neither softcap nor GQA packing asks for registers nor the rows are short and masked
+    (``short_masked``: _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
     (``unmasked``); FA3_TILES otherwise."""
     if fp8:
+        if long_rows and headdim in heuristics.FA3_FP8_TILES_LONG:
+            return heuristics.FA3_FP8_TILES_LONG[headdim]
         return FA3_FP8_TILES[headdim]
     if not (softcap or pack_gqa or short_masked) and headdim in heuristics.FA3_TILES_3WG:
         return heuristics.FA3_TILES_3WG[headdim]
@@ -89,12 +92,13 @@ def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
-                short_masked: bool = False) -> Variant:
-    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES) and ``dtype`` the output's (bf16).
-    ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows (fwd_tiles).
+                short_masked: bool = False, long_rows: bool = False) -> Variant:
+    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, FA3_FP8_TILES_LONG) and ``dtype`` the output's (bf16).
+    ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows; ``long_rows``: FP8 with
+    long rows (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
     Q and K's head dim's."""
-    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked)
+    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows)
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
@@ -188,7 +192,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
            for varlen, pack in ((False, False), (True, False), (False, True))
            for unmasked, short_masked in _row_kinds(d)]
     fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
-    fp8 = [fwd_variant(d, "bfloat16", fp8=True) for d in FP8_HEADDIMS]
+    fp8 = [fwd_variant(d, "bfloat16", fp8=True, long_rows=long) for d in FP8_HEADDIMS
+           for long in (False, True) if not long or d in heuristics.FA3_FP8_TILES_LONG]
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
@@ -283,7 +288,8 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
 
     if kv_block % FP8_BLOCK_N:
         raise ValueError(f"the FP8 kernel takes K/V descale blocks of a multiple of {FP8_BLOCK_N} keys; got {kv_block}")
-    t = FA3_FP8_TILES[dims.headdim]
+    long_rows = dims.seqlen_q >= heuristics.FA3_FP8_LONG_MIN_SEQLEN
+    t = fwd_tiles(dims.headdim, fp8=True, long_rows=long_rows)
     keys_padded = -(-dims.seqlen_k // 16) * 16
     vt = cupy.empty((dims.batch, dims.kv_heads, dims.headdim, keys_padded), dtype=cupy.uint8)
     tp = np.zeros(1, FP8_TRANSPOSE_PARAMS)
@@ -293,7 +299,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     tp["seqlen_k"], tp["keys_padded"], tp["kv_heads"] = dims.seqlen_k, keys_padded, dims.kv_heads
     launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
 
-    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True)
+    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, long_rows=long_rows)
     block_m = fwd_block_m(t)
     map_q, map_k = _tensor_map(q, block_m), _tensor_map(k, t.block_n)
     # V^T (keys, d, kv_heads, batch), innermost first: boxes of block_n keys x d rows

@@ -179,8 +179,9 @@ FA3_3WG_MIN_MASKED_SEQLEN = 8192
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
 # of two) as fit their K and V in this many KiB run together, so the blocks of a round share K/V in L2
 # (kernels_cu/common/tile_scheduler.cuh). 32 MiB is about half the H200's L2, leaving room for Q and O; at
-# N = 16k, d = 128 that is 4 heads (8 MB each), at 8k 8 heads. Not tuned yet: d = 128 non-causal measured
-# 661 TF/s at 8k and 608 at 16k (session 9); scripts/fa3_l2_probe.py times other budgets.
+# N = 16k, d = 128 that is 4 heads (8 MB each), at 8k 8 heads. Measured on the H200 (scripts/fa3_l2_probe.py,
+# interleaved rounds, session 10): 4, 8, 16 and 32 MiB (1 to 16 heads per section) within 1-2 % of each
+# other at d = 64 / 128 / 256, N = 8k / 16k, causal and not -- the section does not decide the speed there.
 FA3_L2_SECTION_KIB = 32 * 1024
 
 
@@ -195,10 +196,19 @@ FA3_FP8_TILES = {
     128: Fa3Tiles(block_n=128, stages=2),
     256: Fa3Tiles(block_n=128, stages=2, intra_wg_overlap=False),
 }
+# FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take these tiles where the head dim has a row.
+# d = 128 without pingpong: both consumers' softmaxes run at once, each hiding the other's latency (ncu,
+# session 10: with pingpong one warp per sub-partition runs its softmax alone, latency-bound). Measured on
+# the H200 (scripts/ab_probe.py fp8-d128, interleaved: 780 -> 804 TF/s at N = 8k, A/A 772-782; the fp8
+# suite: 2k-16k +3-6 %, e.g. 8k 772 -> 796, 16k 778 -> 825, causal 8k 732 -> 764). Below 2k the same run
+# measured 1k at 441 / 227 causal against session 9's 551 / 381 with pingpong (small calls are noisy, but
+# not that noisy): short rows keep it.
+FA3_FP8_TILES_LONG = {
+    128: Fa3Tiles(block_n=128, stages=2, pingpong=False),
+}
+FA3_FP8_LONG_MIN_SEQLEN = 2048
 
-# Every table the FA3 forward takes its tiles from (cuflash.fa3.fwd_tiles): what a switch of all its rows
-# (exp2_emu in scripts/fa3_exp2_probe.py and tests/gpu_checks.py) edits in place.
-FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES)
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES, FA3_FP8_TILES_LONG)
 
 
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a

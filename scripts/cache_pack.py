@@ -26,11 +26,12 @@ DEVICE_NVRTC = (13, 0)
 def probe_variants() -> list:
     """The variants the probes and tune stages and the exp2 GPU tests take beyond the tables."""
     sys.path.insert(0, str(Path(__file__).parent))
+    import ab_probe
     import fa3_exp2_probe
     import tune_fa2
     import tune_fa2_bwd
 
-    variants = list(fa3_exp2_probe.probe_variants([64, 128], [0, 8, 4, 2]))
+    variants = list(fa3_exp2_probe.probe_variants([64, 128], [0, 8, 4, 2])) + ab_probe.list_variants()
     tables = (heuristics.FA2_TILES, heuristics.FA2_BWD_TILES, heuristics.FA2_BWD_TILES_PLAIN,
               heuristics.FA2_BWD_TILES_PLAIN_SM90)
     saved = [dict(t) for t in tables]

@@ -86,11 +86,12 @@ for stage in "${stages[@]}"; do
     sanitize)
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
-      # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log: the FA3 forward's
-      # L2 section budget (heuristics.FA3_L2_SECTION_KIB; d = 128 non-causal drops from 661 TF/s at 8k to 608
-      # at 16k). Earlier probes (fa3_exp2_probe.py, decode_probe.py, ...) stay in scripts/.
-      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -20 || status=1; }
-      probe scripts/fa3_l2_probe.py --headdims 64,128,256 --seqlens 8192,16384 --mib 32,4,8,16 ;;
+      # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log. Now
+      # scripts/ab_probe.py: FP8 d = 128 tile switches, and what the FA3 backward's dQ reduce-adds cost.
+      # Earlier probes (sustain_probe.py with nvidia-smi -lms beside it, fa3_l2_probe.py, fa3_exp2_probe.py,
+      # decode_probe.py, ...) stay in scripts/.
+      probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -40 || status=1; }
+      probe scripts/ab_probe.py fp8-d128 bwd-dq ;;
     warm-probes)
       # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
       # GPU tests of the switches they A/B find them compiled.

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cuflash import compile_report
+from cuflash import compile_report, heuristics
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -100,7 +100,8 @@ def test_fa3_uses_hopper_hardware(report):
         assert not fa3_rows
         return
     fp8_rows = [r for r in fa3_rows if "fp8=1" in r["name"]]
-    assert fa3_rows and len(fp8_rows) == 3  # FP8 forward: head dims 64, 128, 256
+    # FP8 forward: head dims 64, 128, 256, and the long-row tiles (heuristics.FA3_FP8_TILES_LONG)
+    assert fa3_rows and len(fp8_rows) == 3 + len(heuristics.FA3_FP8_TILES_LONG)
     for r in fa3_rows:
         ops = r["opcodes"]
         gemms = ops["QGMMA"] if r in fp8_rows else ops["HGMMA"]

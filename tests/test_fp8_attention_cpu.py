@@ -547,3 +547,18 @@ def test_float_calls_do_not_take_the_fp8_path(spec_env, monkeypatch):
     with pytest.raises(_ReachedKernel, match="pick"):
         cuflash.flash_attn_func(a["q"], a["k"], a["v"], descale_block=(128, 128))
     assert spec_env["launches"] == []
+
+
+def test_long_rows_take_the_long_row_tiles():
+    """FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take FA3_FP8_TILES_LONG where it has the
+    head dim (d = 128: no pingpong), the rest FA3_FP8_TILES; each choice is its own compiled variant."""
+    from cuflash import heuristics
+
+    for d in fa3.FP8_HEADDIMS:
+        short, long = fa3.fwd_tiles(d, fp8=True), fa3.fwd_tiles(d, fp8=True, long_rows=True)
+        assert short == heuristics.FA3_FP8_TILES[d]
+        assert long == heuristics.FA3_FP8_TILES_LONG.get(d, short)
+        names = {fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=r).name for r in (False, True)}
+        assert len(names) == (2 if long != short else 1)
+        assert names <= {v.name for v in fa3.all_variants()}  # compiled by the CPU tier's compile check
+    assert not heuristics.FA3_FP8_TILES_LONG[128].pingpong and heuristics.FA3_FP8_TILES[128].pingpong

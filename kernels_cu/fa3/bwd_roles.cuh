@@ -19,6 +19,10 @@
 #include "common/seqlen.cuh"
 #include "fa3/params.cuh"
 
+#ifndef CUFLASH_PROBE_NO_DQ_ADD  // a timing probe only (write_dq_tiles)
+#define CUFLASH_PROBE_NO_DQ_ADD 0
+#endif
+
 // Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
 // it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
 // mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
@@ -138,7 +142,9 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
         // sums as they are.
 #pragma unroll
         for (int box = 0; box < BOXES; ++box)
-            if (tile.col + box * 32 < D)  // (padded head dims: the padding's boxes are not added)
+            // (padded head dims: the padding's boxes are not added. CUFLASH_PROBE_NO_DQ_ADD: a timing probe,
+            // scripts/ab_probe.py, that leaves the adds out to measure what they cost; dQ is then wrong)
+            if (tile.col + box * 32 < D && !CUFLASH_PROBE_NO_DQ_ADD)
                 tma_reduce_add_3d(map_dq, sm.dq[c][s] + box * BOX_BYTES, tile.col + box * 32, tile.row, tile.head);
         tma_store_commit();
         tma_store_wait_read();  // TMA has read the tile: the buffer is free

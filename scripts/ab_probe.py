@@ -1,0 +1,145 @@
+"""Interleaved A/B timing of kernel configurations, for the questions bench/NOTES.md asks next. Each
+experiment times its configurations in rounds (the order rotating each round) and its first configuration
+once more at the end of every round (an A/A pair: the spread between the two is the noise), then prints the
+median TF/s per configuration with the [slowest-fastest] round. Timing back to back in one fixed order
+misleads on the H200: under load the clocks fall with the power cap (~690 W) within a second, so whatever
+runs first looks fastest (session 10).
+
+Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
+  fp8-d128   FP8 forward d = 128 N = 8k: the tiles of the table (FA3_FP8_TILES_LONG[128]), with three
+             K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
+             8 on the FMA pipe (exp2_emu 8)
+  bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
+             (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
+
+    python scripts/ab_probe.py [fp8-d128] [bwd-dq] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
+"""
+import argparse
+import dataclasses
+import statistics
+from contextlib import contextmanager
+
+import cupy
+
+from cuflash import fa3, heuristics
+
+
+@contextmanager
+def fp8_tiles(tiles):
+    """d = 128 FP8 calls take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
+    tables = (heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG)
+    saved = [dict(t) for t in tables]
+    for table in tables:
+        table[128] = tiles
+    try:
+        yield
+    finally:
+        for table, old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+
+
+@contextmanager
+def bwd_defines(*defines):
+    built = fa3.bwd_variant
+
+    def variant(*args, **kwargs):
+        v = built(*args, **kwargs)
+        return dataclasses.replace(v, defines=v.defines + defines)
+
+    fa3.bwd_variant = variant  # fa3.backward looks the name up at each call
+    try:
+        yield
+    finally:
+        fa3.bwd_variant = built
+
+
+def fp8_configs():
+    base = heuristics.FA3_FP8_TILES_LONG.get(128, heuristics.FA3_FP8_TILES[128])
+    return {  # name -> a new context manager per use (a generator's runs once)
+        "table": lambda: fp8_tiles(base),
+        "3 stages": lambda: fp8_tiles(dataclasses.replace(base, stages=3)),
+        "pingpong switched": lambda: fp8_tiles(dataclasses.replace(base, pingpong=not base.pingpong)),
+        "exp2_emu 8": lambda: fp8_tiles(dataclasses.replace(base, exp2_emu=8)),
+    }
+
+
+NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
+
+
+def list_variants() -> list:
+    """Every variant the experiments compile that the package's tables do not have."""
+    out = []
+    for name, config in fp8_configs().items():
+        with config():
+            out.append(fa3.fwd_variant(128, "bfloat16", fp8=True))
+    with bwd_defines(*NO_DQ_ADD):
+        out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
+    return out
+
+
+def interleaved(label, configs, call, flops, rounds, reps):
+    from cuflash.bench import time_fn
+
+    names = list(configs)
+    times = {n: [] for n in names + ["A/A"]}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)] + ["A/A"]
+        for n in order:
+            with configs[names[0] if n == "A/A" else n]():
+                fn = call()
+                times[n].append(time_fn(fn, 2, reps))
+    cells = []
+    for n, ms in times.items():
+        tf = sorted(flops / t / 1e9 for t in ms)
+        cells.append(f"{n} {statistics.median(tf):5.0f} [{tf[0]:.0f}-{tf[-1]:.0f}]")
+    print(f"{label}: " + " | ".join(cells), flush=True)
+
+
+def fp8_d128(rounds, reps):
+    import fp8_probe  # scripts/: the FP8 forward called directly, descales per 128-row block
+
+    n, d = 8192, 128
+    b, h = 16384 // n, 2048 // d
+    flops = 4 * b * h * n * n * d
+    interleaved("fp8 d=128 N=8k", fp8_configs(), lambda: fp8_probe.run(b, n, n, h, h, d, False)[0], flops,
+                rounds, reps)
+
+
+def bwd_dq(rounds, reps):
+    import cuflash
+
+    for d in (64, 128):
+        n = 8192
+        b, h = 16384 // n, 2048 // d
+        q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+                       for _ in range(4))
+        out, lse = cuflash.flash_attn_func(q, k, v, impl="fa3", return_lse=True)
+        flops = 2.5 * 4 * b * h * n * n * d
+
+        def call():
+            return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, impl="fa3")
+
+        configs = {"as built": lambda: bwd_defines(), "no dQ adds": lambda: bwd_defines(*NO_DQ_ADD)}
+        interleaved(f"fa3 backward d={d} N=8k", configs, call, flops, rounds, reps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--list-variants", action="store_true")
+    args = parser.parse_args()
+    if args.list_variants:
+        for v in list_variants():
+            print(v.name)
+        return
+    runs = {"fp8-d128": fp8_d128, "bwd-dq": bwd_dq}
+    for name in args.experiments:
+        runs[name](args.rounds, args.reps)
+
+
+if __name__ == "__main__":
+    main()
