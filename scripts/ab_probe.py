@@ -8,7 +8,8 @@ runs first looks fastest (session 10).
 Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fp8-d128   FP8 forward d = 128 N = 8k: the tiles of the table (FA3_FP8_TILES_LONG[128]), with three
              K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
-             8 on the FMA pipe (exp2_emu 8)
+             8 or in 4 on the FMA pipe (exp2_emu; with pingpong it gained nothing in session 10, but without
+             it both consumers' exponentials share the SFU at once)
   bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
 
@@ -62,6 +63,7 @@ def fp8_configs():
         "3 stages": lambda: fp8_tiles(dataclasses.replace(base, stages=3)),
         "pingpong switched": lambda: fp8_tiles(dataclasses.replace(base, pingpong=not base.pingpong)),
         "exp2_emu 8": lambda: fp8_tiles(dataclasses.replace(base, exp2_emu=8)),
+        "exp2_emu 4": lambda: fp8_tiles(dataclasses.replace(base, exp2_emu=4)),
     }
 
 
