@@ -483,7 +483,7 @@ FA3_FP8 = DRIVER._fa3_fp8_cases()
 
 def test_fa3_fp8_cases_cover_the_family():
     """Every FP8 head dim, causal and not, Sq < Sk and Sq > Sk, GQA and MQA, per-block descales whose last
-    block is short and per-head ones, and a single query row."""
+    block is short and per-head ones, a single query row, and the long-row tiles."""
     from cuflash import fa3
 
     assert {c["d"] for c in FA3_FP8} == set(fa3.FP8_HEADDIMS)
@@ -493,6 +493,10 @@ def test_fa3_fp8_cases_cover_the_family():
     assert {c["h"] // c["hkv"] for c in FA3_FP8} >= {2, 4} and any(c["hkv"] == 1 for c in FA3_FP8)
     assert (None, None) in {c["blocks"] for c in FA3_FP8} and any(c["sq"] == 1 for c in FA3_FP8)
     assert any(c["sk"] % c["blocks"][1] for c in FA3_FP8 if c["blocks"][1])  # a short last K/V block
+    from cuflash import heuristics  # the long-row tiles too, at every head dim that has them
+
+    long_rows = {c["d"] for c in FA3_FP8 if c["sq"] >= heuristics.FA3_FP8_LONG_MIN_SEQLEN}
+    assert long_rows >= set(heuristics.FA3_FP8_TILES_LONG)
 
 
 @pytest.mark.parametrize("c", FA3_FP8, ids=DRIVER._describe_fa3_fp8)
