@@ -10,10 +10,13 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
              8 or in 4 on the FMA pipe (exp2_emu; with pingpong it gained nothing in session 10, but without
              it both consumers' exponentials share the SFU at once)
+  bf16-pingpong  FA3 forward bf16 d = 64 / 128 / 256, N = 2k and 8k, causal and not: the tables' tiles,
+             and the same with the pingpong switched (FP8 d = 128 gained 3 % without it, session 10;
+             d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
   bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
 
-    python scripts/ab_probe.py [fp8-d128] [bwd-dq] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [bf16-pingpong] [bwd-dq] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -23,7 +26,7 @@ from contextlib import contextmanager
 
 import cupy
 
-from cuflash import fa3, heuristics
+from cuflash import _validate, fa3, heuristics
 
 
 @contextmanager
@@ -67,6 +70,28 @@ def fp8_configs():
     }
 
 
+@contextmanager
+def pingpong_switched(d):
+    """bf16 FA3 forward calls at head dim d take their tiles with the pingpong switched."""
+    tables = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG)
+    saved = [dict(t) for t in tables]
+    for table in tables:
+        if d in table:
+            table[d] = dataclasses.replace(table[d], pingpong=not table[d].pingpong)
+    try:
+        yield
+    finally:
+        for table, old in zip(tables, saved):
+            table.clear()
+            table.update(old)
+
+
+@contextmanager
+def as_is():
+    yield
+
+
+BF16_HEADDIMS = (64, 128, 256)
 NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
 
 
@@ -78,7 +103,15 @@ def list_variants() -> list:
             out.append(fa3.fwd_variant(128, "bfloat16", fp8=True))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
-    return out
+    for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
+        with pingpong_switched(d):
+            for n in (2048, 8192):
+                for causal in (False, True):
+                    dims = _validate.Dims(1, n, n, 1, 1, d, "bfloat16")
+                    window = _validate.window_bounds((-1, -1), causal, dims)
+                    out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
+                                               short_masked=fa3._short_masked(window, dims)))
+    return list(dict.fromkeys(out))
 
 
 def interleaved(label, configs, call, flops, rounds, reps):
@@ -107,6 +140,22 @@ def fp8_d128(rounds, reps):
     flops = 4 * b * h * n * n * d
     interleaved("fp8 d=128 N=8k", fp8_configs(), lambda: fp8_probe.run(b, n, n, h, h, d, False)[0], flops,
                 rounds, reps)
+
+
+def bf16_pingpong(rounds, reps):
+    import cuflash
+
+    for d in BF16_HEADDIMS:
+        for n in (2048, 8192):
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+                       for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                configs = {"tables": as_is, "pingpong switched": lambda: pingpong_switched(d)}
+                interleaved(f"fa3 bf16 d={d} N={n} causal={causal}", configs,
+                            lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), flops,
+                            rounds, reps)
 
 
 def bwd_dq(rounds, reps):
@@ -138,7 +187,7 @@ def main():
         for v in list_variants():
             print(v.name)
         return
-    runs = {"fp8-d128": fp8_d128, "bwd-dq": bwd_dq}
+    runs = {"fp8-d128": fp8_d128, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
