@@ -30,18 +30,23 @@ from cuflash import _validate, fa3, heuristics
 
 
 @contextmanager
-def fp8_tiles(tiles):
-    """d = 128 FP8 calls take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
-    tables = (heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG)
+def tables_edited(tables, edit):
+    """``edit(table)`` applied to each of ``tables`` (dicts the package reads at each call), undone after."""
     saved = [dict(t) for t in tables]
     for table in tables:
-        table[128] = tiles
+        edit(table)
     try:
         yield
     finally:
         for table, old in zip(tables, saved):
             table.clear()
             table.update(old)
+
+
+def fp8_tiles(tiles):
+    """d = 128 FP8 calls take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
+    return tables_edited((heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG),
+                         lambda table: table.update({128: tiles}))
 
 
 @contextmanager
@@ -70,20 +75,13 @@ def fp8_configs():
     }
 
 
-@contextmanager
 def pingpong_switched(d):
     """bf16 FA3 forward calls at head dim d take their tiles with the pingpong switched."""
-    tables = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG)
-    saved = [dict(t) for t in tables]
-    for table in tables:
+    def switch(table):
         if d in table:
             table[d] = dataclasses.replace(table[d], pingpong=not table[d].pingpong)
-    try:
-        yield
-    finally:
-        for table, old in zip(tables, saved):
-            table.clear()
-            table.update(old)
+
+    return tables_edited((heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG), switch)
 
 
 @contextmanager
