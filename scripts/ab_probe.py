@@ -10,13 +10,15 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
              8 or in 4 on the FMA pipe (exp2_emu; with pingpong it gained nothing in session 10, but without
              it both consumers' exponentials share the SFU at once)
+  fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, and with the pingpong switched
+             (three consumer warpgroups, bf16's d = 64 arrangement, spill ~100 bytes in FP8: not a candidate)
   bf16-pingpong  FA3 forward bf16 d = 64 / 128 / 256, N = 2k and 8k, causal and not: the tables' tiles,
              and the same with the pingpong switched (FP8 d = 128 gained 3 % without it, session 10;
              d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
   bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
 
-    python scripts/ab_probe.py [fp8-d128] [bf16-pingpong] [bwd-dq] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -43,10 +45,25 @@ def tables_edited(tables, edit):
             table.update(old)
 
 
-def fp8_tiles(tiles):
-    """d = 128 FP8 calls take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
+def fp8_tiles(d, tiles):
+    """FP8 calls at head dim d take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
     return tables_edited((heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG),
-                         lambda table: table.update({128: tiles}))
+                         lambda table: table.update({d: tiles}))
+
+
+def fp8_configs(d):
+    """The FP8 experiments' switches at head dim d, from the tiles its long rows take."""
+    base = heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
+    with_ = lambda **kw: lambda: fp8_tiles(d, dataclasses.replace(base, **kw))  # noqa: E731
+    if d == 64:
+        return {"table": lambda: fp8_tiles(d, base), "pingpong switched": with_(pingpong=not base.pingpong)}
+    return {  # name -> a new context manager per use (a generator's runs once)
+        "table": lambda: fp8_tiles(d, base),
+        "3 stages": with_(stages=3),
+        "pingpong switched": with_(pingpong=not base.pingpong),
+        "exp2_emu 8": with_(exp2_emu=8),
+        "exp2_emu 4": with_(exp2_emu=4),
+    }
 
 
 @contextmanager
@@ -62,17 +79,6 @@ def bwd_defines(*defines):
         yield
     finally:
         fa3.bwd_variant = built
-
-
-def fp8_configs():
-    base = heuristics.FA3_FP8_TILES_LONG.get(128, heuristics.FA3_FP8_TILES[128])
-    return {  # name -> a new context manager per use (a generator's runs once)
-        "table": lambda: fp8_tiles(base),
-        "3 stages": lambda: fp8_tiles(dataclasses.replace(base, stages=3)),
-        "pingpong switched": lambda: fp8_tiles(dataclasses.replace(base, pingpong=not base.pingpong)),
-        "exp2_emu 8": lambda: fp8_tiles(dataclasses.replace(base, exp2_emu=8)),
-        "exp2_emu 4": lambda: fp8_tiles(dataclasses.replace(base, exp2_emu=4)),
-    }
 
 
 def pingpong_switched(d):
@@ -96,9 +102,10 @@ NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
 def list_variants() -> list:
     """Every variant the experiments compile that the package's tables do not have."""
     out = []
-    for name, config in fp8_configs().items():
-        with config():
-            out.append(fa3.fwd_variant(128, "bfloat16", fp8=True))
+    for d in (64, 128):
+        for config in fp8_configs(d).values():
+            with config():
+                out.append(fa3.fwd_variant(d, "bfloat16", fp8=True))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
@@ -130,14 +137,15 @@ def interleaved(label, configs, call, flops, rounds, reps):
     print(f"{label}: " + " | ".join(cells), flush=True)
 
 
-def fp8_d128(rounds, reps):
+def fp8_forward(d, rounds, reps):
     import fp8_probe  # scripts/: the FP8 forward called directly, descales per 128-row block
 
-    n, d = 8192, 128
+    n = 8192
     b, h = 16384 // n, 2048 // d
-    flops = 4 * b * h * n * n * d
-    interleaved("fp8 d=128 N=8k", fp8_configs(), lambda: fp8_probe.run(b, n, n, h, h, d, False)[0], flops,
-                rounds, reps)
+    for causal in (False, True) if d == 64 else (False,):
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        interleaved(f"fp8 d={d} N=8k causal={causal}", fp8_configs(d),
+                    lambda: fp8_probe.run(b, n, n, h, h, d, causal)[0], flops, rounds, reps)
 
 
 def bf16_pingpong(rounds, reps):
@@ -185,7 +193,8 @@ def main():
         for v in list_variants():
             print(v.name)
         return
-    runs = {"fp8-d128": fp8_d128, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
+    runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
+            "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
