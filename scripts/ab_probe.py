@@ -9,9 +9,10 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fp8-d128   FP8 forward d = 128 N = 8k: the tiles of the table (FA3_FP8_TILES_LONG[128]), with three
              K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
              8 or in 4 on the FMA pipe (exp2_emu; with pingpong it gained nothing in session 10, but without
-             it both consumers' exponentials share the SFU at once)
-  fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, and with the pingpong switched
-             (three consumer warpgroups, bf16's d = 64 arrangement, spill ~100 bytes in FP8: not a candidate)
+             it both consumers' exponentials share the SFU at once), with the row maxima in 4 FMNMX chains
+             (CUFLASH_MAX_CHAINS 4, fa3/fwd.cu)
+  fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched, with
+             4 max chains (three consumer warpgroups, bf16's d = 64 arrangement, spill ~100 bytes in FP8)
   bf16-pingpong  FA3 forward bf16 d = 64 / 128 / 256, N = 2k and 8k, causal and not: the tables' tiles,
              and the same with the pingpong switched (FP8 d = 128 gained 3 % without it, session 10;
              d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
@@ -55,10 +56,13 @@ def fp8_configs(d):
     """The FP8 experiments' switches at head dim d, from the tiles its long rows take."""
     base = heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
     with_ = lambda **kw: lambda: fp8_tiles(d, dataclasses.replace(base, **kw))  # noqa: E731
+    chains = lambda: defines_added("fwd_variant", *MAX_CHAINS_4)  # noqa: E731
     if d == 64:
-        return {"table": lambda: fp8_tiles(d, base), "pingpong switched": with_(pingpong=not base.pingpong)}
+        return {"table": lambda: fp8_tiles(d, base), "pingpong switched": with_(pingpong=not base.pingpong),
+                "4 max chains": chains}
     return {  # name -> a new context manager per use (a generator's runs once)
         "table": lambda: fp8_tiles(d, base),
+        "4 max chains": chains,
         "3 stages": with_(stages=3),
         "pingpong switched": with_(pingpong=not base.pingpong),
         "exp2_emu 8": with_(exp2_emu=8),
@@ -67,18 +71,27 @@ def fp8_configs(d):
 
 
 @contextmanager
-def bwd_defines(*defines):
-    built = fa3.bwd_variant
+def defines_added(builder: str, *defines):
+    """Variants from fa3.<builder> (fwd_variant, bwd_variant) get ``defines`` too: fa3's launchers look the
+    builder up at each call."""
+    built = getattr(fa3, builder)
 
     def variant(*args, **kwargs):
         v = built(*args, **kwargs)
         return dataclasses.replace(v, defines=v.defines + defines)
 
-    fa3.bwd_variant = variant  # fa3.backward looks the name up at each call
+    setattr(fa3, builder, variant)
     try:
         yield
     finally:
-        fa3.bwd_variant = built
+        setattr(fa3, builder, built)
+
+
+def bwd_defines(*defines):
+    return defines_added("bwd_variant", *defines)
+
+
+MAX_CHAINS_4 = (("CUFLASH_MAX_CHAINS", 4),)
 
 
 def pingpong_switched(d):
@@ -104,8 +117,8 @@ def list_variants() -> list:
     out = []
     for d in (64, 128):
         for config in fp8_configs(d).values():
-            with config():
-                out.append(fa3.fwd_variant(d, "bfloat16", fp8=True))
+            with config():  # (the experiments' calls have 8k rows: the long-row tiles)
+                out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)

@@ -35,7 +35,7 @@
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
 // CUFLASH_PINGPONG (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
-// the FMA pipe).
+// the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a probe asks).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/poly_exp2.cuh"
@@ -55,6 +55,13 @@ constexpr int D = CUFLASH_HEADDIM;  // of Q and K
 // (poly_exp2), the rest on the special-function unit; 0: all on the SFU. Where the softmax, not the GEMMs,
 // bounds a tile (d = 64, FP8), the SFU's 16 exponentials per clock are its narrowest unit.
 constexpr int EXP2_EMU = CUFLASH_EXP2_EMU;
+#ifndef CUFLASH_MAX_CHAINS
+#define CUFLASH_MAX_CHAINS 1
+#endif
+// A row's maximum over its 2 BN / 8 scores in this many independent chains of FMNMX, joined at the end: one
+// chain is 2 BN / 8 dependent instructions (17 at BN = 128), which a lone softmax warp waits out (ncu, FP8
+// d = 128: FMNMX 13 % of the stall samples). A tuning switch (scripts/ab_probe.py); 1 = one chain.
+constexpr int MAX_CHAINS = CUFLASH_MAX_CHAINS;
 constexpr int DV = CUFLASH_HEADDIM_V;  // of V and O (d_v; d_qk unless the launcher asks otherwise)
 constexpr bool FP8 = CUFLASH_FP8;
 constexpr int ELEM_BYTES = FP8 ? 1 : 2;         // of Q, K, V
@@ -200,6 +207,21 @@ __device__ __forceinline__ void pack_p(const float (&sc)[BN / 2], u32 (&pv_a)[PV
 #endif
 }
 
+// The maximum of `init` and row r's scores of this thread (sc[4 j + 2 r], sc[4 j + 2 r + 1], j < BN / 8), in
+// MAX_CHAINS independent chains joined at the end.
+__device__ __forceinline__ float row_max_of(const float (&sc)[BN / 2], int r, float init) {
+    static_assert(MAX_CHAINS >= 1 && (BN / 8) % MAX_CHAINS == 0, "chains of equal length");
+    float part[MAX_CHAINS];
+#pragma unroll
+    for (int c = 0; c < MAX_CHAINS; ++c) part[c] = c == 0 ? init : neg_inf();
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+        part[j % MAX_CHAINS] = fmaxf(part[j % MAX_CHAINS], fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
+#pragma unroll
+    for (int c = 1; c < MAX_CHAINS; ++c) part[0] = fmaxf(part[0], part[c]);
+    return part[0];
+}
+
 // Running max and exp-sum of this thread's two rows. Logits x are S (or tanh(S softcap_pre) with
 // softcap; FP8: S times the Q and K descales), P = 2^(x scale_log2 - m scale_log2):
 // cuflash/_params.logit_scales.
@@ -228,19 +250,10 @@ struct OnlineSoftmax {
             // FP8: S times the row's Q descale and the tile's K descale is the logit (qk); the max of a row
             // is kept in logit units across tiles whose descales differ.
             const float qk = FP8 ? row_scale[r] * tile_scale : 1.f;
-            float mx;
-            if constexpr (FP8) {
-                float tile_max = neg_inf();
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j)
-                    tile_max = fmaxf(tile_max, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-                mx = fmaxf(row_max[r], quad_max(tile_max) * qk);
-            } else {  // (this form, not the one above, keeps bf16 d = 256 softcap varlen free of spills)
-                mx = row_max[r];
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * r], sc[4 * j + 2 * r + 1]));
-                mx = quad_max(mx);
-            }
+            // (bf16 starts the chain from the running max, not -inf: that form keeps d = 256 softcap varlen
+            // free of spills)
+            const float mx = FP8 ? fmaxf(row_max[r], quad_max(row_max_of(sc, r, neg_inf())) * qk)
+                                 : quad_max(row_max_of(sc, r, row_max[r]));
             const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
             alpha[r] = mx == row_max[r] ? 1.f : fast_exp2(row_max[r] * p.scale_log2 - base);
             row_max[r] = mx;
