@@ -143,6 +143,25 @@ def run_driver(args) -> int:
         def call():  # check=False: no copy of cache_seqlens to the host inside the measured call
             return cuflash.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=args.mask_causal,
                                                    num_splits=args.num_splits, check=False)
+    elif args.impl in ("torch-flash", "torch-cudnn"):  # a peer's kernels (scripts/ncu_profile.sh cases)
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.FLASH_ATTENTION if args.impl == "torch-flash" else SDPBackend.CUDNN_ATTENTION
+        tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).requires_grad_(args.direction != "forward")
+                      for x in (q, k, v))
+
+        def sdpa():
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=args.mask_causal)
+        if args.direction == "forward":
+            call = sdpa
+        else:
+            out = sdpa()
+            dout = torch.randn_like(out)
+
+            def call():
+                return torch.autograd.grad(out, (tq, tk, tv), dout, retain_graph=True)
     elif args.impl == "naive":
         if args.direction == "forward":
             def call():

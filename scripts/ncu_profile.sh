@@ -8,7 +8,8 @@
 # A case is impl:direction:headdim:seqlen:causal at the FlashAttention benchmark shape (16k tokens, hidden
 # 2048: batch = 16384 / seqlen, heads = 2048 / headdim), bf16. Each runs scripts/iomodel_ncu.py's driver,
 # which compiles and warms up, then brackets exactly one call with cudaProfilerStart/Stop. impl "fa3fp8"
-# (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile. The clocks are
+# (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile; "torch-flash" and
+# "torch-cudnn" are torch SDPA with that backend (the peers, for instruction counts beside ours). The clocks are
 # left alone (--clock-control none, as the device notes ask). Full reports go to $OUT/ncu-<case>.txt (with
 # SourceCounters: the SASS lines where warps stall most); the summary lines (duration, SM and memory
 # throughput, tensor pipe, issue-slot use, shared-memory pipe use, the top stall reasons, DRAM bytes) are
@@ -21,7 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} CUFLASH_CACHE_DIR=${CUFLASH_CACHE_DIR:-/tmp/cuflash-cache}
 NCU=${NCU:-ncu}
 CASES=${CASES:-"fa3fp8:forward:128:8192:0 fa3:forward:64:8192:0 fa3:backward:128:8192:0 fa3:backward:64:8192:0"}
-METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
+METRICS=smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum
 status=0
 for case in $CASES; do
   IFS=: read -r impl direction d n causal <<< "$case"
