@@ -72,8 +72,8 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
     """The forward's tiles: for FP8, FA3_FP8_TILES_LONG where it has the head dim and the rows are long
     (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN), else FA3_FP8_TILES; FA3_TILES_3WG where it has the
     head dim and neither softcap nor GQA packing asks for registers nor the rows are short and masked
-    (``short_masked``: _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
-    (``unmasked``); FA3_TILES otherwise."""
+    (``short_masked``: _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask
+    bounds the rows (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         if long_rows and headdim in heuristics.FA3_FP8_TILES_LONG:
             return heuristics.FA3_FP8_TILES_LONG[headdim]
@@ -93,9 +93,9 @@ def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
                 short_masked: bool = False, long_rows: bool = False) -> Variant:
-    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, FA3_FP8_TILES_LONG) and ``dtype`` the output's (bf16).
-    ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows; ``long_rows``: FP8 with
-    long rows (fwd_tiles).
+    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, FA3_FP8_TILES_LONG) and ``dtype`` the
+    output's (bf16). ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows;
+    ``long_rows``: FP8 with long rows (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
     Q and K's head dim's."""
     t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows)

@@ -34,8 +34,7 @@ def probe_variants() -> list:
     variants = list(fa3_exp2_probe.probe_variants([64, 128], [0, 8, 4, 2])) + ab_probe.list_variants()
     tables = (heuristics.FA2_TILES, heuristics.FA2_BWD_TILES, heuristics.FA2_BWD_TILES_PLAIN,
               heuristics.FA2_BWD_TILES_PLAIN_SM90)
-    saved = [dict(t) for t in tables]
-    try:
+    with ab_probe.tables_edited(tables, lambda table: None):  # (the edits below undone after)
         # the tune stage's FA2 candidates (each script's use() sets the tables the same way)
         for d in (128, 256):
             for tiles in tune_fa2.CANDIDATES[d]:
@@ -47,10 +46,6 @@ def probe_variants() -> list:
             for tiles in tune_fa2_bwd.CANDIDATES[d]:
                 heuristics.FA2_BWD_TILES[d] = tiles
                 variants.append(fa2.bwd_variant(d, "bfloat16"))
-    finally:
-        for table, old in zip(tables, saved):
-            table.clear()
-            table.update(old)
     return variants
 
 

@@ -12,27 +12,19 @@ Hypothesis (bench/NOTES.md, session 8): where the softmax bounds a tile (d = 64,
 balances the two.
 """
 import argparse
-import contextlib
 import dataclasses
 
+from ab_probe import tables_edited  # (scripts/: the directory a script runs from is on the path)
 from cuflash import fa3, heuristics
 
 # the forward's tile tables (fa3 imports some of them by name: the same dicts, so edits in place reach it)
 TABLES = heuristics.FA3_FORWARD_TABLES
 
 
-@contextlib.contextmanager
 def exp2_emu(k: int):
-    """Every forward tile table's rows with exp2_emu = k."""
-    saved = [dict(table) for table in TABLES]
-    for table in TABLES:
-        table.update({d: dataclasses.replace(t, exp2_emu=k) for d, t in table.items()})
-    try:
-        yield
-    finally:
-        for table, rows in zip(TABLES, saved):
-            table.clear()
-            table.update(rows)
+    """Every forward tile table's rows with exp2_emu = k (undone when the context ends)."""
+    return tables_edited(TABLES, lambda table: table.update(
+        {d: dataclasses.replace(t, exp2_emu=k) for d, t in table.items()}))
 
 
 def compile_only(headdims, emus):
