@@ -137,12 +137,19 @@ class Fa3Tiles:
 # thread) next to O (d / 2) and P_{n-1} (block_n / 4, packed): block_n = 128 up to d = 128, 64 at d = 192
 # and 256 (O alone is 96-128 registers). Two stages: Q + 2 x (K + V) is 80 KB at d = 64, 160 KB at d = 96
 # (stored as 128) and 128, 144 KB at d = 192, 192 KB at d = 256.
+#
+# d = 128 and the 64-key tiles of d = 256 run without the pingpong: both consumers' softmaxes then run at
+# once and hide each other's latency, as FP8's did (session 10). Measured on the H200 (scripts/ab_probe.py
+# bf16-pingpong, interleaved rounds, TF/s, pingpong -> none, A/A in brackets): d = 128 N = 8k 596 -> 605
+# (594), causal 545 -> 553 (544), 2k 506 -> 537 (510), causal 413 -> 414; d = 256 causal 8k 598 -> 615
+# (598), 2k 469 -> 469. d = 64 moved both ways within its spread and keeps it; d = 256's 80-key tiles spill
+# 40 bytes without it and keep it too.
 FA3_TILES = {
     64: Fa3Tiles(block_n=128, stages=2),
     96: Fa3Tiles(block_n=128, stages=2),
-    128: Fa3Tiles(block_n=128, stages=2),
+    128: Fa3Tiles(block_n=128, stages=2, pingpong=False),
     192: Fa3Tiles(block_n=64, stages=2),
-    256: Fa3Tiles(block_n=64, stages=2),
+    256: Fa3Tiles(block_n=64, stages=2, pingpong=False),
 }
 # Calls without a mask bounding the rows (not causal, no window) at these head dims take these tiles
 # instead: fewer, longer iterations per tile, so the per-iteration row reductions, barriers and waits count
