@@ -6,13 +6,15 @@ misleads on the H200: under load the clocks fall with the power cap (~690 W) wit
 runs first looks fastest (session 10).
 
 Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
-  fp8-d128   FP8 forward d = 128 N = 8k: the tiles of the table (FA3_FP8_TILES_LONG[128]), with three
-             K/V stages, with the pingpong switched (session 10: off gained 3 %), with one column group in
-             8 or in 4 on the FMA pipe (exp2_emu; with pingpong it gained nothing in session 10, but without
-             it both consumers' exponentials share the SFU at once), with the row maxima in 4 FMNMX chains
-             (CUFLASH_MAX_CHAINS 4, fa3/fwd.cu)
-  fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched, with
-             4 max chains (three consumer warpgroups, bf16's d = 64 arrangement, spill ~100 bytes in FP8)
+  fp8-d128   FP8 forward d = 128 N = 8k: the tiles of the table (FA3_FP8_TILES_LONG[128]), and without
+             the intra-warpgroup overlap (P V completes before the next S is issued: d = 256's arrangement,
+             which reached 1016-1059 TF/s there), with and without the pingpong; the row maxima in 4 FMNMX
+             chains (CUFLASH_MAX_CHAINS 4). Session 11 measured three stages, the pingpong switched and
+             exp2_emu 8 / 4 too: none beat the table.
+  fp8-scaling  FP8 forward d = 128 N = 8k on descales per 128-row block and per tensor (what the per-block
+             V descale's O rescale at every tile costs)
+  fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched (session
+             11: off lost 2 %), with 4 max chains (three consumer warpgroups spill ~100 bytes in FP8)
   bf16-pingpong  FA3 forward bf16 d = 64 / 128 / 256, N = 2k and 8k, causal and not: the tables' tiles,
              and the same with the pingpong switched (FP8 d = 128 gained 3 % without it, session 10;
              d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
@@ -57,16 +59,14 @@ def fp8_configs(d):
     base = heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
     with_ = lambda **kw: lambda: fp8_tiles(d, dataclasses.replace(base, **kw))  # noqa: E731
     chains = lambda: defines_added("fwd_variant", *MAX_CHAINS_4)  # noqa: E731
-    if d == 64:
+    if d == 64:  # (without the overlap, P V takes O's columns in parts of BN: d = 64 has fewer than BN = 128)
         return {"table": lambda: fp8_tiles(d, base), "pingpong switched": with_(pingpong=not base.pingpong),
                 "4 max chains": chains}
     return {  # name -> a new context manager per use (a generator's runs once)
         "table": lambda: fp8_tiles(d, base),
+        "no overlap, pingpong": with_(intra_wg_overlap=False, pingpong=True),
+        "no overlap, no pingpong": with_(intra_wg_overlap=False, pingpong=False),
         "4 max chains": chains,
-        "3 stages": with_(stages=3),
-        "pingpong switched": with_(pingpong=not base.pingpong),
-        "exp2_emu 8": with_(exp2_emu=8),
-        "exp2_emu 4": with_(exp2_emu=4),
     }
 
 
@@ -161,6 +161,28 @@ def fp8_forward(d, rounds, reps):
                     lambda: fp8_probe.run(b, n, n, h, h, d, causal)[0], flops, rounds, reps)
 
 
+def fp8_scaling(rounds, reps):
+    """The same FP8 d = 128 kernel on descales per 128-row block (the fp8 suite's) and per tensor: with
+    per-block V descales O is rescaled at every tile (its units move from V_{n-1}'s descale to V_n's), with
+    one V descale only where a row max moved."""
+    import fp8_probe
+
+    n, d = 8192, 128
+    b, h = 16384 // n, 2048 // d
+    calls = {"blocks of 128": fp8_probe.run(b, n, n, h, h, d, False)[0],
+             "K, V per tensor": fp8_probe.run(b, n, n, h, h, d, False, kvblock=None)[0],
+             "Q, K, V per tensor": fp8_probe.run(b, n, n, h, h, d, False, qblock=None, kvblock=None)[0]}
+    chosen = {}
+
+    @contextmanager
+    def choose(name):
+        chosen["call"] = calls[name]
+        yield
+
+    configs = {name: (lambda name=name: choose(name)) for name in calls}
+    interleaved("fp8 d=128 N=8k descales", configs, lambda: chosen["call"], 4 * b * h * n * n * d, rounds, reps)
+
+
 def bf16_pingpong(rounds, reps):
     import cuflash
 
@@ -207,7 +229,7 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
+            "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

@@ -87,11 +87,11 @@ for stage in "${stages[@]}"; do
       bash scripts/sanitize.sh 2>&1 | tee "$OUT/sanitize.log" | tail -30 || status=1 ;;
     probes)
       # The tuning probes bench/NOTES.md asks for next, each under a time limit, one log. Now
-      # scripts/ab_probe.py: FP8 d = 128 tile switches (exp2_emu without pingpong), the bf16 pingpong switch.
+      # scripts/ab_probe.py: FP8 d = 128 on per-block and per-tensor descales.
       # Earlier probes (sustain_probe.py with nvidia-smi -lms beside it, fa3_l2_probe.py, fa3_exp2_probe.py,
       # decode_probe.py, ...) stay in scripts/.
       probe() { echo "##### $*" | tee -a "$OUT/probes.log"; timeout -k 10 ${PROBE_TIMEOUT:-240} python3 "$@" 2>&1 | tee -a "$OUT/probes.log" | tail -40 || status=1; }
-      probe scripts/ab_probe.py fp8-d128 fp8-d64 bf16-pingpong ;;
+      probe scripts/ab_probe.py fp8-scaling ;;
     warm-probes)
       # The probes' variants (not in the package's tables) into the disk cache on all cores, so that the
       # GPU tests of the switches they A/B find them compiled.
