@@ -208,8 +208,9 @@ FA3_FP8_TILES = {
 # session 10: with pingpong one warp per sub-partition runs its softmax alone, latency-bound). Measured on
 # the H200 (scripts/ab_probe.py fp8-d128, interleaved: 780 -> 804 TF/s at N = 8k, A/A 772-782; the fp8
 # suite: 2k-16k +3-6 %, e.g. 8k 772 -> 796, 16k 778 -> 825, causal 8k 732 -> 764). Below 2k the same run
-# measured 1k at 441 / 227 causal against session 9's 551 / 381 with pingpong (small calls are noisy, but
-# not that noisy): short rows keep it.
+# measured 1k at 441 / 227 causal against session 9's 551 / 381 with pingpong, so short rows kept it; but
+# session 11 measured 1k with the pingpong at 415 / 374: the 1k drop was not the pingpong, and the
+# threshold is not measured either way.
 FA3_FP8_TILES_LONG = {
     128: Fa3Tiles(block_n=128, stages=2, pingpong=False),
 }
