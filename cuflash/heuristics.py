@@ -34,11 +34,12 @@ FA1_TILES = {
 @dataclass(frozen=True)
 class Fa2Tiles:
     block_m: int  # query rows per thread block
-    block_n: int  # keys per K/V tile in shared memory (two of K and two of V are in flight)
+    block_n: int  # keys per K/V tile in shared memory
     warps: int  # each warp owns block_m / warps rows (one or two 16-row m-tiles)
     compute_n: int = 0  # keys per S/softmax/PV step within a tile (0 = block_n); bounds S registers
     q_in_regs: bool = False  # Q's A fragments stay in registers (block_m / warps x d / 2 bf16 per lane);
     #                          taken only by variants without softcap, ALiBi or dropout (fa2.fwd_tiles)
+    kv_stages: int = 2  # K / V buffers each: 2 = a ring; 1 = one each, refilled as freed (compute_n = block_n)
 
 
 # head dim -> FA2 forward tiles, measured on the H200 (bench/NOTES.md, FA2 v0). Two m-tiles per warp

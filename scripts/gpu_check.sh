@@ -99,7 +99,9 @@ for stage in "${stages[@]}"; do
     tune)
       # The FA2 tile candidates against torch's flash backend (each candidate compiles first, ~20 s): the
       # backward at d = 64 / 256, the forward at d = 128 / 256 (bench/NOTES.md, session 8). One log.
-      for args in "tune_fa2_bwd.py 64 256" "tune_fa2.py 128 256"; do
+      # TUNE: the runs, "|"-separated (default "tune_fa2_bwd.py 64 256|tune_fa2.py 128 256").
+      IFS='|' read -ra tunes <<< "${TUNE:-tune_fa2_bwd.py 64 256|tune_fa2.py 128 256}"
+      for args in "${tunes[@]}"; do
         echo "##### $args" | tee -a "$OUT/tune.log"
         timeout -k 10 ${PROBE_TIMEOUT:-300} python3 scripts/$args 2>&1 | tee -a "$OUT/tune.log" | tail -40 || status=1
       done ;;

@@ -4,7 +4,9 @@
 // A block's WARPS warps each own MT consecutive 16-row m-tiles of the BLOCK_M query rows, so no
 // reduction ever crosses warps. Per K/V tile:
 //   - the next K (then V) tile streams into the other half of a two-stage shared-memory ring with
-//     cp.async while this tile is computed;
+//     cp.async while this tile is computed; or (CUFLASH_KV_STAGES 1, wide head dims) K and V have one
+//     buffer each, half the shared memory, so two blocks share an SM: V streams in during S = Q K^T and
+//     the next K during the softmax and P V (FlashAttention-2's own schedule);
 //   - S = Q K^T (mma.sync m16n8k16, fp32 accumulation), each K fragment feeding MT m-tiles;
 //   - online softmax in base 2 with the scale folded into one FMA per score: p = 2^(s*c - m*c);
 //     O is rescaled only when a row max moves, and divided by the row sum once, at the end;
@@ -14,7 +16,7 @@
 // that cross a mask edge pay for per-element checks; tiles with nothing visible are never loaded.
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
-// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
+// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_KV_STAGES (1/2, default 2), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
 // CUFLASH_DROPOUT (0/1: P is dropped after the row sums, so the softmax normalisation is the
 // undropped one, as in FlashAttention), CUFLASH_Q_REGS (0/1, default 0: Q fragments in registers).
 #include "common/mask.cuh"
@@ -26,6 +28,9 @@
 
 #ifndef CUFLASH_Q_REGS
 #define CUFLASH_Q_REGS 0
+#endif
+#ifndef CUFLASH_KV_STAGES
+#define CUFLASH_KV_STAGES 2
 #endif
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -41,11 +46,13 @@ constexpr bool DROPOUT = CUFLASH_DROPOUT;
 constexpr bool Q_REGS = CUFLASH_Q_REGS;  // Q's A fragments held in registers for the whole block (see QOperand)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0, "tiles are made of 16x16 mma blocks");
+constexpr int KV_STAGES = CUFLASH_KV_STAGES;  // K / V buffers each: 2 = a ring, 1 = refilled as freed
+static_assert(KV_STAGES == 2 || (KV_STAGES == 1 && KN == BN), "one K/V buffer: the whole tile per step");
 
 struct Smem {
     FastSmemTile<BM, D> q;
-    FastSmemTile<BN, D> k[2];
-    FastSmemTile<BN, D> v[2];
+    FastSmemTile<BN, D> k[KV_STAGES];
+    FastSmemTile<BN, D> v[KV_STAGES];
 };
 
 typedef float Frag[4];  // one m16n8 fp32 accumulator fragment
@@ -295,48 +302,75 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
         load_tile(sm.q, q, p.q_row_stride, seq.seqlen_q - row0);
         load_tile(sm.k[0], k + n_lo * BN * p.k_row_stride, p.k_row_stride, seq.seqlen_k - n_lo * BN);
         cp_async_commit();
-        load_tile(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n_lo * BN);
-        cp_async_commit();
+        if constexpr (KV_STAGES == 2) {  // (one buffer: each V tile is loaded in its own iteration)
+            load_tile(sm.v[0], v + n_lo * BN * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n_lo * BN);
+            cp_async_commit();
+        }
         if constexpr (Q_REGS) {
-            cp_async_wait<1>();  // Q (and the first K tile) landed; the loop's first wait then returns at once
+            cp_async_wait<KV_STAGES - 1>();  // Q (and the first K tile) landed; the loop's first wait returns at once
             __syncthreads();
             q_op.load();
         }
     }
 
-    for (int n = n_lo; n < n_hi; ++n) {
-        const int stage = (n - n_lo) & 1;
-        const int key0 = n * BN, next_key0 = key0 + BN;
-        const bool has_next = n + 1 < n_hi;
-
-        cp_async_wait<1>();  // this K tile has landed (this V tile may still be in flight)
-        __syncthreads();     // ... for every thread; and everyone is done with the other stage
-        if (has_next)
-            load_tile(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
-                                     seq.seqlen_k - next_key0);
-        cp_async_commit();
-
-        const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
-        // Not unrolled: with two sub-steps unrolled ptxas kept both steps' values live and spilled 170-300
-        // bytes (d = 64 BLOCK_N 128, d = 128 BLOCK_N 64); as a loop the sub-step offset costs a few adds.
-#pragma unroll 1
-        for (int sub = 0; sub < BN; sub += KN) {
+    // One K and one V buffer: two barriers per tile. The first (K_n landed) also says every warp is done
+    // with P_{n-1} V_{n-1}, so V_n may overwrite it; the second (V_n landed) that every warp is done with
+    // Q K_n^T, so K_{n+1} may overwrite K_n.
+    if constexpr (KV_STAGES == 1) {
+        for (int n = n_lo; n < n_hi; ++n) {
+            const int key0 = n * BN, next_key0 = key0 + BN;
+            cp_async_wait<0>();
+            __syncthreads();
+            load_tile(sm.v[0], v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0);
+            cp_async_commit();
             Frag s[MT][KN / 8];
-            qk_product(q_op, k_addr, stage * KV_STAGE_BYTES, sub, s);
-            if (needs_mask)
-                online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
-            else
-                online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
-            if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0 + sub, g, t);
-            if (sub == 0) {
-                cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
-                __syncthreads();
-                if (has_next)
-                    load_tile(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
-                                             seq.seqlen_k - next_key0);
+            qk_product(q_op, k_addr, 0, 0, s);
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n + 1 < n_hi) {
+                load_tile(sm.k[0], k + next_key0 * p.k_row_stride, p.k_row_stride, seq.seqlen_k - next_key0);
                 cp_async_commit();
             }
-            pv_product(v_addr, stage * KV_STAGE_BYTES, sub, s, o);
+            if (!mask.tile_all_visible<BM, BN>(m_block, n))
+                online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
+            else
+                online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
+            if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0, g, t);
+            pv_product(v_addr, 0, 0, s, o);
+        }
+    } else {
+        for (int n = n_lo; n < n_hi; ++n) {
+            const int stage = (n - n_lo) & 1;
+            const int key0 = n * BN, next_key0 = key0 + BN;
+            const bool has_next = n + 1 < n_hi;
+            cp_async_wait<1>();  // this K tile has landed (this V tile may still be in flight)
+            __syncthreads();     // ... for every thread; and everyone is done with the other stage
+            if (has_next)
+                load_tile(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
+                                         seq.seqlen_k - next_key0);
+            cp_async_commit();
+            const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
+            // Not unrolled: with two sub-steps unrolled ptxas kept both steps' values live and spilled 170-300
+            // bytes (d = 64 BLOCK_N 128, d = 128 BLOCK_N 64); as a loop the sub-step offset costs a few adds.
+#pragma unroll 1
+            for (int sub = 0; sub < BN; sub += KN) {
+                Frag s[MT][KN / 8];
+                qk_product(q_op, k_addr, stage * KV_STAGE_BYTES, sub, s);
+                if (needs_mask)
+                    online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+                else
+                    online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
+                if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0 + sub, g, t);
+                if (sub == 0) {
+                    cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
+                    __syncthreads();
+                    if (has_next)
+                        load_tile(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
+                                                 seq.seqlen_k - next_key0);
+                    cp_async_commit();
+                }
+                pv_product(v_addr, stage * KV_STAGE_BYTES, sub, s, o);
+            }
         }
     }
     cp_async_wait<0>();
