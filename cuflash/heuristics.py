@@ -45,9 +45,9 @@ class Fa2Tiles:
 # head dim -> FA2 forward tiles, measured on the H200 (bench/NOTES.md, FA2 v0). Two m-tiles per warp
 # (block_m = 128 with 4 warps) let each K/V fragment read from shared memory feed two MMAs; that needs
 # O (d/2 fp32 per m-tile) + S (block_n/2 per m-tile) in 255 registers without spills, so block_n
-# shrinks as d grows. Every row keeps Q + 2 x (K + V) under 99 KB so the kernels also launch on
-# sm_86/sm_89 (larger tiles measured up to 10 % faster on the H200 at d = 256; a per-arch table can
-# take them later). d <= 64 keeps Q in registers (16-32 per lane next to 64 for S and O: no spills with
+# shrinks as d grows. From d = 128 one m-tile per warp with wider key tiles and one K / V buffer each
+# measured faster (rows below). Every row keeps Q + K/V buffers under 99 KB so the kernels also launch on
+# sm_86/sm_89. d <= 64 keeps Q in registers (16-32 per lane next to 64 for S and O: no spills with
 # NVRTC 13.0 / 13.5); from d = 128 O alone is 128 registers and Q would spill. Static analysis and the
 # rejected candidates (spills): bench/NOTES.md, "FA2 forward: static analysis".
 FA2_TILES = {
@@ -56,12 +56,18 @@ FA2_TILES = {
     # H200 (scripts/tune_fa2.py, session 3): 303-317 TF/s vs 296-310 for 128 x 64, torch flash 297-309.
     64: Fa2Tiles(block_m=128, block_n=128, warps=4, compute_n=64, q_in_regs=True),
     96: Fa2Tiles(block_m=128, block_n=32, warps=4),
-    # 64 keys per tile loaded, computed 32 at a time (S stays 32 columns): half the barriers of 32-key
-    # tiles at the same register count; H200 (scripts/tune_fa2.py, session 8): 309-329 TF/s vs 306-313
-    # for 128 x 32, torch flash 347-359 non-causal.
-    128: Fa2Tiles(block_m=128, block_n=64, warps=4, compute_n=32),
+    # One K and one V buffer of 128 keys (80 KB, 242 registers: two blocks per SM), one m-tile per warp.
+    # H200 (scripts/tune_fa2.py, session 11, TF/s at N = 2k / 8k, x torch flash in the same run): 320 / 327
+    # (0.92 / 0.91), causal 273 / 316 (0.96 / 0.99), against the former 128 x 64 tiles computed 32 keys at a
+    # time in a two-stage ring, 309 / 321 (0.89), causal 254 / 295 (0.89 / 0.92).
+    128: Fa2Tiles(block_m=64, block_n=128, warps=4, kv_stages=1),
     192: Fa2Tiles(block_m=64, block_n=32, warps=4),
-    256: Fa2Tiles(block_m=64, block_n=32, warps=4),
+    # One K and one V buffer (FlashAttention-2's schedule, kv_stages=1) let 64-key tiles keep two blocks per
+    # SM (98 KB; a ring of two would take 160 KB, one block): half the iterations, copies and barriers per
+    # key of the former 64 x 32 ring. H200 (scripts/tune_fa2.py, session 11, TF/s at N = 2k / 8k): 323 / 336
+    # (1.01 / 1.03 x torch flash, which runs this tile), causal 277 / 307 (1.03 / 1.06), against 64 x 32's
+    # 275 / 280, causal 236 / 262 (0.85-0.91).
+    256: Fa2Tiles(block_m=64, block_n=64, warps=4, kv_stages=1),
 }
 
 

@@ -527,8 +527,10 @@ def test_flash_forward_far_below_naive_at_16k(d):
     for impl in ("fa1", "fa2"):
         r = fwd(impl, n, d)
         ratio = naive["hbm_bytes"] / r["hbm_bytes"]
-        # no L2 reuse: naive moves 56 B per score, FA 4·e·d/BLOCK_M (fa1 at d = 128: 8 B -> 7x)
-        assert ratio >= (5 if (impl, d) == ("fa1", 128) else 10), (impl, d, ratio)
+        # no L2 reuse: naive moves 56 B per score, FA 4·e·d/BLOCK_M (64-row Q blocks at d = 128, fa1's and
+        # fa2's: 8 B -> 7x)
+        block_m = {"fa1": heuristics.FA1_TILES, "fa2": heuristics.FA2_TILES}[impl][d].block_m
+        assert ratio >= (5 if (d, block_m) == (128, 64) else 10), (impl, d, ratio)
         # compulsory traffic: linear in N against naive's N^2
         assert naive["hbm_bytes_min"] / r["hbm_bytes_min"] >= 100
         assert r["hbm_bytes_min"] <= r["hbm_bytes"]
