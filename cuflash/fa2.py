@@ -68,7 +68,9 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     t = fwd_tiles(headdim, softcap, alibi, dropout)
     swizzled = headdim % 64 == 0
     smem = smem_tile_bytes(t.block_m, headdim, swizzled) + 2 * t.kv_stages * smem_tile_bytes(t.block_n, headdim, swizzled)
-    stages = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()  # (the kernel's default: 2)
+    # (the kernel's defaults: 2 stages, 1 block)
+    stages = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()
+    stages += (("CUFLASH_MIN_BLOCKS", t.min_blocks),) if t.min_blocks != 1 else ()
     return Variant(
         FAMILY,
         "fa2/fwd.cu",
