@@ -67,17 +67,18 @@ def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout:
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
     t = fwd_tiles(headdim, softcap, alibi, dropout)
     swizzled = headdim % 64 == 0
-    smem = smem_tile_bytes(t.block_m, headdim, swizzled) + 2 * t.kv_stages * smem_tile_bytes(t.block_n, headdim, swizzled)
-    # (the kernel's defaults: 2 stages, 1 block)
-    stages = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()
-    stages += (("CUFLASH_MIN_BLOCKS", t.min_blocks),) if t.min_blocks != 1 else ()
+    kv_bytes = 2 * t.kv_stages * smem_tile_bytes(t.block_n, headdim, swizzled)
+    smem = smem_tile_bytes(t.block_m, headdim, swizzled) + kv_bytes
+    # defined only away from the kernel's defaults (2 stages, 1 block), so the other variants keep their names
+    non_default = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()
+    non_default += (("CUFLASH_MIN_BLOCKS", t.min_blocks),) if t.min_blocks != 1 else ()
     return Variant(
         FAMILY,
         "fa2/fwd.cu",
         "fa2_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_M", t.block_m), ("CUFLASH_BLOCK_N", t.block_n),
          ("CUFLASH_BLOCK_N_COMPUTE", t.compute_n or t.block_n), ("CUFLASH_WARPS", t.warps),
-         ("CUFLASH_Q_REGS", int(t.q_in_regs))) + stages
+         ("CUFLASH_Q_REGS", int(t.q_in_regs))) + non_default
         + _feature_defines(dtype, softcap, alibi, dropout),
         threads=t.warps * 32,
         smem_bytes=smem,

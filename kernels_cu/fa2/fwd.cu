@@ -49,7 +49,8 @@ constexpr bool ALIBI = CUFLASH_ALIBI;
 constexpr bool DROPOUT = CUFLASH_DROPOUT;
 constexpr bool Q_REGS = CUFLASH_Q_REGS;  // Q's A fragments held in registers for the whole block (see QOperand)
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0, "tiles are made of 16x16 mma blocks");
+static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0,
+              "tiles are made of 16x16 mma blocks");
 constexpr int KV_STAGES = CUFLASH_KV_STAGES;  // K / V buffers each: 2 = a ring, 1 = refilled as freed
 // Blocks per SM the registers must allow (__launch_bounds__): 3 caps a 128-thread block at 168 registers,
 // so small tiles can run 12 warps per SM where latency, not issue, bounds them.
@@ -320,6 +321,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fa2_fwd(const 
         }
     }
 
+    // S -> P for keys key0 .. key0 + KN: the mask only where the tile crosses its edge, then dropout.
+    auto scores_to_p = [&](Frag (&s)[MT][KN / 8], bool needs_mask, int key0) {
+        if (needs_mask)
+            online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
+        else
+            online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
+        if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0, g, t);
+    };
+
     // One K and one V buffer: two barriers per tile. The first (K_n landed) also says every warp is done
     // with P_{n-1} V_{n-1}, so V_n may overwrite it; the second (V_n landed) that every warp is done with
     // Q K_n^T, so K_{n+1} may overwrite K_n.
@@ -338,11 +348,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fa2_fwd(const 
                 load_tile(sm.k[0], k + next_key0 * p.k_row_stride, p.k_row_stride, seq.seqlen_k - next_key0);
                 cp_async_commit();
             }
-            if (!mask.tile_all_visible<BM, BN>(m_block, n))
-                online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
-            else
-                online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + 2 * t, alibi);
-            if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0, g, t);
+            scores_to_p(s, !mask.tile_all_visible<BM, BN>(m_block, n), key0);
             pv_product(v_addr, 0, 0, s, o);
         }
     } else {
@@ -353,8 +359,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fa2_fwd(const 
             cp_async_wait<1>();  // this K tile has landed (this V tile may still be in flight)
             __syncthreads();     // ... for every thread; and everyone is done with the other stage
             if (has_next)
-                load_tile(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride,
-                                         seq.seqlen_k - next_key0);
+                load_tile(sm.k[stage ^ 1], k + next_key0 * p.k_row_stride, p.k_row_stride, seq.seqlen_k - next_key0);
             cp_async_commit();
             const bool needs_mask = !mask.tile_all_visible<BM, BN>(m_block, n);
             // Not unrolled: with two sub-steps unrolled ptxas kept both steps' values live and spilled 170-300
@@ -363,17 +368,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fa2_fwd(const 
             for (int sub = 0; sub < BN; sub += KN) {
                 Frag s[MT][KN / 8];
                 qk_product(q_op, k_addr, stage * KV_STAGE_BYTES, sub, s);
-                if (needs_mask)
-                    online_softmax<true>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
-                else
-                    online_softmax<false>(s, o, row_max, row_sum, p, mask, row0 + warp_row0 + g, key0 + sub + 2 * t, alibi);
-                if constexpr (DROPOUT) apply_dropout(s, drop, batch * p.heads + head, row0 + warp_row0, key0 + sub, g, t);
+                scores_to_p(s, needs_mask, key0 + sub);
                 if (sub == 0) {
                     cp_async_wait<1>();  // this V tile has landed (the next K tile may still be in flight)
                     __syncthreads();
                     if (has_next)
                         load_tile(sm.v[stage ^ 1], v + next_key0 * p.v_row_stride, p.v_row_stride,
-                                                 seq.seqlen_k - next_key0);
+                                  seq.seqlen_k - next_key0);
                     cp_async_commit();
                 }
                 pv_product(v_addr, stage * KV_STAGE_BYTES, sub, s, o);
