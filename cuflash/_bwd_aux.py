@@ -9,7 +9,14 @@ from ._params import DTYPE_CODES, fill_strides, pointer_fields, stride_fields
 
 FAMILY = "bwd_aux"
 KERNELS = ("bwd_preprocess", "bwd_convert_dq")
-THREADS = 128  # 4 warps, one row each
+THREADS = 128  # a group of lanes per row, one 16-byte chunk each (kernels_cu/common/bwd_aux.cu)
+
+
+def rows_per_block(headdim: int) -> int:
+    """Rows a block covers: the row's lanes are its 16-byte chunks rounded up to a power of two."""
+    chunks = headdim // 8
+    group = next(g for g in (4, 8, 16, 32) if chunks <= g)
+    return THREADS // group
 
 # Mirror of BwdAuxParams (same order, C alignment).
 PARAMS = np.dtype(
@@ -49,8 +56,12 @@ def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None,
 def _launch(kernel, p, dims, stream):
     v = variant(kernel, dims.headdim, dims.dtype)
     rows = dims.batch * dims.heads * dims.seqlen_q
-    rows_per_block = THREADS // 32
-    launch(v, ((rows + rows_per_block - 1) // rows_per_block,), (p,), stream)
+    if rows == 0:
+        return
+    if rows >= 2**31:  # the kernels index rows in 32 bits
+        raise ValueError(f"batch x heads x seqlen_q = {rows} rows: the backward supports fewer than 2^31")
+    per_block = rows_per_block(dims.headdim)
+    launch(v, ((rows + per_block - 1) // per_block,), (p,), stream)
 
 
 def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, lse=None, lse_rows=None,

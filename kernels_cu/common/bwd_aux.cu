@@ -1,4 +1,5 @@
-// The two small passes around every attention backward, one warp per (batch, head, row):
+// The two small passes around every attention backward, a group of lanes per (batch, head, row), one
+// 16-byte chunk of the row per lane (a warp per row left 3/4 of its lanes idle at d = 64):
 //   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
 //                   lse_rows is set, a copy of the forward's LSE) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
@@ -30,44 +31,55 @@ struct BwdAuxParams {
 };
 
 constexpr int D = CUFLASH_HEADDIM;
-constexpr int WARPS = CUFLASH_THREADS / 32;
-constexpr int CHUNKS = D / 8;  // 8 elements (16 bytes) per lane and step
-static_assert(CHUNKS <= 32, "one warp covers a row in one step");
+constexpr int CHUNKS = D / 8;  // 8 elements (16 bytes) per lane
+constexpr int GROUP = CHUNKS <= 4 ? 4 : CHUNKS <= 8 ? 8 : CHUNKS <= 16 ? 16 : 32;  // lanes per row: a power of two
+static_assert(CHUNKS <= 32, "a group of at most one warp covers a row");
+constexpr int ROWS_PER_BLOCK = CUFLASH_THREADS / GROUP;  // cuflash/_bwd_aux.py sizes the grid by the same rule
 
-// Row `r` of the flattened (batch, heads, seqlen_q) index space, or -1 past the end.
-__device__ __forceinline__ i64 warp_row(const BwdAuxParams& p, int& b, int& h, int& i) {
-    const i64 r = i64(blockIdx.x) * WARPS + threadIdx.x / 32;
-    if (r >= i64(p.batch) * p.heads * p.seqlen_q) return -1;
-    i = int(r % p.seqlen_q);
-    h = int((r / p.seqlen_q) % p.heads);
-    b = int(r / (i64(p.seqlen_q) * p.heads));
-    return r;
-}
+// This lane's row of the flattened (batch, heads, seqlen_q) index space and its chunk of it. 32-bit index
+// arithmetic: the host checks that the rows number fewer than 2^31.
+struct RowChunk {
+    int r;         // the flattened row
+    int b, h, i;   // its batch entry, head and row within the sequence
+    int chunk;     // this lane's 16-byte chunk
+    bool in_rows;  // r is a row, not past the end (a whole group is in or out)
+
+    __device__ __forceinline__ explicit RowChunk(const BwdAuxParams& p) {
+        r = int(blockIdx.x) * ROWS_PER_BLOCK + int(threadIdx.x) / GROUP;
+        chunk = int(threadIdx.x) % GROUP;
+        const int bh = r / p.seqlen_q;
+        i = r - bh * p.seqlen_q;
+        b = bh / p.heads;
+        h = bh - b * p.heads;
+        in_rows = b < p.batch;
+    }
+    __device__ __forceinline__ bool active() const { return in_rows && chunk < CHUNKS; }
+};
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(const BwdAuxParams p) {
-    int b, h, i;
-    const i64 r = warp_row(p, b, h, i);
-    if (r < 0) return;
-    const int lane = threadIdx.x % 32;
+    const RowChunk rc(p);
+    const int b = rc.b, h = rc.h, i = rc.i;
     float acc = 0.f;
-    if (lane < CHUNKS) {
+    if (rc.active()) {
+        const int c = rc.chunk * 8;
         const uint4 o = *reinterpret_cast<const uint4*>(p.o + b * p.o_batch_stride + i * p.o_row_stride +
-                                                         h * p.o_head_stride + lane * 8);
+                                                         h * p.o_head_stride + c);
         const uint4 d = *reinterpret_cast<const uint4*>(p.dout + b * p.do_batch_stride + i * p.do_row_stride +
-                                                         h * p.do_head_stride + lane * 8);
+                                                         h * p.do_head_stride + c);
         const u32 ow[4] = {o.x, o.y, o.z, o.w}, dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             acc += elem_t::to_float(u16(ow[w] & 0xffff)) * elem_t::to_float(u16(dw[w] & 0xffff));
             acc += elem_t::to_float(u16(ow[w] >> 16)) * elem_t::to_float(u16(dw[w] >> 16));
         }
-        float4* zero = reinterpret_cast<float4*>(p.dq_accum + r * D + lane * 8);
+        float4* zero = reinterpret_cast<float4*>(p.dq_accum + i64(rc.r) * D + c);
         zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
         zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    // The row's sum over its group (every lane of the warp takes part: groups are aligned within it).
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
+    for (int off = GROUP / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (rc.in_rows && rc.chunk == 0) {
         i64 row = (i64(b) * p.heads + h) * p.row_pitch + i;
         if (p.cu_seqlens_q) {
             const int* cu = p.cu_seqlens_q;
@@ -81,16 +93,15 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
             row = i64(h) * p.row_pitch + padded_seq_start(cu[lo], lo) + (i - cu[lo]);
         }
         p.dsum[row] = acc;
-        if (p.lse_rows) p.lse_rows[row] = p.lse[r];
+        if (p.lse_rows) p.lse_rows[row] = p.lse[rc.r];
     }
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(const BwdAuxParams p) {
-    int b, h, i;
-    const i64 r = warp_row(p, b, h, i);
-    const int lane = threadIdx.x % 32;
-    if (r < 0 || lane >= CHUNKS) return;
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + r * D + lane * 8);
+    const RowChunk rc(p);
+    if (!rc.active()) return;
+    const int c = rc.chunk * 8;
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + i64(rc.r) * D + c);
     const float4 x = src[0], y = src[1];
     const float s = p.scale;
     uint4 out;
@@ -98,5 +109,6 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(con
     out.y = elem_t::pack2(x.z * s, x.w * s);
     out.z = elem_t::pack2(y.x * s, y.y * s);
     out.w = elem_t::pack2(y.z * s, y.w * s);
-    *reinterpret_cast<uint4*>(p.dq + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride + lane * 8) = out;
+    *reinterpret_cast<uint4*>(p.dq + rc.b * p.dq_batch_stride + rc.i * p.dq_row_stride + rc.h * p.dq_head_stride + c) =
+        out;
 }

@@ -83,6 +83,9 @@ __device__ __forceinline__ u16* b_operand_trans(SmemTile<ROWS, COLS, SW>& t, int
 //     (c0/8 + lane_chunk) ^ (lane_row % 8) = 8 * (c0/64) + ((c0/8 % 8) ^ (lane_chunk ^ lane_row % 8)),
 // so four per-lane bases (one per value of c0/16 % 4) plus a compile-time offset give every address:
 // the unrolled loops then use [register + immediate] instead of one live register per address.
+// A warp whose tile starts at a run-time origin (row0 a multiple of 8, col0 a multiple of 16) folds it
+// into the bases: base j serves the 16 columns at col0 + 16 j (+ 64 per group of four), so at() still
+// takes compile-time offsets relative to the origin and costs no instruction beyond the ldmatrix.
 // lane_row / lane_chunk of the three operand kinds (see a_operand & co. above):
 //   A:          lane & 15,                          lane >> 4
 //   B rows:     (lane & 7) + (lane >> 4) * 8,       (lane >> 3) & 1
@@ -92,16 +95,21 @@ struct LdsmAddr {
     static constexpr int PITCH_BYTES = SmemTile<ROWS, COLS, SW>::PITCH * 2;
     u32 base[SW ? 4 : 1];
 
-    __device__ __forceinline__ LdsmAddr(SmemTile<ROWS, COLS, SW>& t, int lane_row, int lane_chunk) {
-        const u32 row = smem_addr(&t.data[lane_row][0]);
+    __device__ __forceinline__ LdsmAddr(SmemTile<ROWS, COLS, SW>& t, int lane_row, int lane_chunk, int row0 = 0,
+                                        int col0 = 0) {
+        const u32 row = smem_addr(&t.data[row0 + lane_row][0]);
         if constexpr (SW) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) base[j] = row + (((2 * j) ^ lane_chunk ^ (lane_row & 7)) << 4);
+            for (int j = 0; j < 4; ++j) {
+                const int unit = col0 / 16 + j;  // 16-column unit: chunk 2 unit + lane_chunk, group unit / 4
+                base[j] = row + (unit / 4) * 128 + (((2 * (unit % 4)) ^ lane_chunk ^ (lane_row & 7)) << 4);
+            }
         } else {
-            base[0] = row + lane_chunk * 16;
+            base[0] = row + (col0 + lane_chunk * 8) * 2;
         }
     }
-    // Shared address of this lane's row for the 16x16 block at (r0, c0); r0 % 8 == 0, c0 % 16 == 0.
+    // Shared address of this lane's row for the 16x16 block at (row0 + r0, col0 + c0); r0 % 8 == 0,
+    // c0 % 16 == 0, both known at compile time after unrolling.
     __device__ __forceinline__ u32 at(int r0, int c0) const {
         if constexpr (SW) return base[(c0 >> 4) & 3] + r0 * PITCH_BYTES + (c0 >> 6) * 128;
         else return base[0] + r0 * PITCH_BYTES + c0 * 2;
@@ -109,14 +117,17 @@ struct LdsmAddr {
 };
 
 template <int ROWS, int COLS, bool SW>
-__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> a_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
-    return LdsmAddr<ROWS, COLS, SW>(t, lane & 15, lane >> 4);
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> a_addr(SmemTile<ROWS, COLS, SW>& t, int lane, int row0 = 0,
+                                                        int col0 = 0) {
+    return LdsmAddr<ROWS, COLS, SW>(t, lane & 15, lane >> 4, row0, col0);
 }
 template <int ROWS, int COLS, bool SW>
-__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_rows_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
-    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_rows_addr(SmemTile<ROWS, COLS, SW>& t, int lane, int row0 = 0,
+                                                             int col0 = 0) {
+    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1, row0, col0);
 }
 template <int ROWS, int COLS, bool SW>
-__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_trans_addr(SmemTile<ROWS, COLS, SW>& t, int lane) {
-    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+__device__ __forceinline__ LdsmAddr<ROWS, COLS, SW> b_trans_addr(SmemTile<ROWS, COLS, SW>& t, int lane, int row0 = 0,
+                                                              int col0 = 0) {
+    return LdsmAddr<ROWS, COLS, SW>(t, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4, row0, col0);
 }

@@ -81,7 +81,7 @@ struct BoolConst {
 // here each thread owns one 16-byte column chunk and walks rows THREADS / CHUNKS apart, so the loop
 // unrolls into one cp.async, one row test and one pointer add per step. Tiles whose chunk count does not
 // divide the block (d = 96, 192) keep the common loop.
-template <int ROWS, int COLS, bool SW>
+template <bool ALL_ROWS, int ROWS, int COLS, bool SW>
 __device__ __forceinline__ void load_tile_unrolled(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
                                                    int rows_valid) {
     constexpr int CHUNKS = COLS / 8;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void load_tile_unrolled(SmemTile<ROWS, COLS, SW>& til
         for (int it = 0; it < STEPS; ++it) {
             const int r = r0 + it * STEP;
             if (ROWS % STEP != 0 && r >= ROWS) break;
-            const bool in = r < rows_valid;
+            const bool in = ALL_ROWS || r < rows_valid;
             u16* d = AFFINE ? d0 + it * STEP * SmemTile<ROWS, COLS, SW>::PITCH : tile.at(r, c);
             cp_async_16(d, in ? s : src, in ? 16 : 0);
             s += STEP * row_stride;
@@ -146,6 +146,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     const int kv_row0 = (warp / WKV_D) * KV_ROWS, kv_col0 = (warp % WKV_D) * KV_COLS;
     const int q_row0 = (warp / WQ_D) * Q_ROWS, q_col_base = (warp % WQ_D) * Q_COLS * Q_SPLIT;
 
+    // ldmatrix addresses of each product's operands, with this warp's origin folded in (warp_mma_at): the
+    // dO, V and dS tiles are laid out like Q, K and P, so one address set serves both of a pair, plus a
+    // byte offset (the Q / dO stage on top). Built where they are used: kept live across the loop, the
+    // six sets would cost 24 registers.
+    auto offset = [&](const void* to, const void* from) {
+        return u32(reinterpret_cast<const char*>(to) - reinterpret_cast<const char*>(from));
+    };
+    const u32 dout_off = offset(&sm.dout[0], &sm.q[0]), v_off = offset(&sm.v, &sm.k), ds_off = offset(&sm.ds, &sm.p);
+
     int m_lo, m_hi;
     mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
     const int m_count = m_hi - m_lo, items = group * m_count;  // (query head, Q block) pairs, head-major
@@ -155,50 +164,63 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     zero(dk);
     zero(dv);
 
-    auto load_item = [&](int item, int stage) {
-        const int hq = kv_head * group + item / m_count, row0 = (m_lo + item % m_count) * BM;
-        load_tile_unrolled(sm.q[stage], q_base + hq * p.q_head_stride + row0 * p.q_row_stride, p.q_row_stride,
-                           seq.seqlen_q - row0);
-        load_tile_unrolled(sm.dout[stage], do_base + hq * p.do_head_stride + row0 * p.do_row_stride, p.do_row_stride,
-                           seq.seqlen_q - row0);
+    // (query head, Q block) pairs run head-major; each item's successor is found without a division.
+    struct Item {
+        int head, m;
+    };
+    auto next_item = [&](Item it) { return it.m + 1 < m_hi ? Item{it.head, it.m + 1} : Item{it.head + 1, m_lo}; };
+    auto load_item = [&](Item it, int stage) {
+        const int row0 = it.m * BM;
+        const u16* q_src = q_base + it.head * p.q_head_stride + row0 * p.q_row_stride;
+        const u16* do_src = do_base + it.head * p.do_head_stride + row0 * p.do_row_stride;
+        const int rows_valid = seq.seqlen_q - row0;
+        if (rows_valid >= BM) {  // most blocks: no per-row test
+            load_tile_unrolled<true>(sm.q[stage], q_src, p.q_row_stride, rows_valid);
+            load_tile_unrolled<true>(sm.dout[stage], do_src, p.do_row_stride, rows_valid);
+        } else {
+            load_tile_unrolled<false>(sm.q[stage], q_src, p.q_row_stride, rows_valid);
+            load_tile_unrolled<false>(sm.dout[stage], do_src, p.do_row_stride, rows_valid);
+        }
         // LSE and D of the block's rows (threads [0, BM) and [BM, 2 BM)); rows past the end become zeros.
-        const i64 rows = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start + row0;
+        const i64 rows = batch * p.row_batch_stride + it.head * p.row_head_stride + seq.q_start + row0;
 #pragma unroll
         for (int i0 = 0; i0 < 2 * BM; i0 += THREADS) {
             const int i = i0 + threadIdx.x, r = i % BM;
             if (2 * BM % THREADS != 0 && i >= 2 * BM) break;
-            const bool in = r < seq.seqlen_q - row0;
+            const bool in = r < rows_valid;
             const float* src = (i < BM ? p.lse : p.dsum) + (in ? rows + r : 0);
             cp_async_4(i < BM ? &sm.lse[stage][r] : &sm.dsum[stage][r], src, in ? 4 : 0);
         }
     };
     if (items > 0) {
-        load_tile_unrolled(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+        load_tile_unrolled<false>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                                      (i64(seq.k_start) + key0) * p.k_row_stride,
                            p.k_row_stride, seq.seqlen_k - key0);
-        load_tile_unrolled(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+        load_tile_unrolled<false>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
                                      (i64(seq.k_start) + key0) * p.v_row_stride,
                            p.v_row_stride, seq.seqlen_k - key0);
-        if constexpr (QSTAGES == 2) load_item(0, 0);
+        if constexpr (QSTAGES == 2) load_item(Item{kv_head * group, m_lo}, 0);
         cp_async_commit();
     }
 
-    for (int item = 0; item < items; ++item) {
+    Item cur{kv_head * group, m_lo};
+    for (int item = 0; item < items; ++item, cur = next_item(cur)) {
         const int stage = QSTAGES == 2 ? item & 1 : 0;
-        const int hq = kv_head * group + item / m_count, m = m_lo + item % m_count, row0 = m * BM;
+        const u32 stage_off = stage * u32(sizeof(FastSmemTile<BM, D>));  // Q / dO stage 1 follows stage 0
+        const int hq = cur.head, m = cur.m, row0 = m * BM;
         const i64 row_base = batch * p.row_batch_stride + hq * p.row_head_stride + seq.q_start;  // dq_accum rows
         float alibi = 0.f;
         if constexpr (ALIBI) alibi = p.alibi_slopes[hq] * 1.44269504088896341f / p.scale_log2;
 
         if constexpr (QSTAGES == 1) {
             __syncthreads();  // every warp is done with the previous Q block's tiles
-            load_item(item, 0);
+            load_item(cur, 0);
             cp_async_commit();
         }
         cp_async_wait<0>();  // K, V and this Q block's Q / dO / LSE / D have landed
         __syncthreads();     // ... for every thread; and P / dS of the previous block are consumed
         if constexpr (QSTAGES == 2) {
-            if (item + 1 < items) load_item(item + 1, stage ^ 1);
+            if (item + 1 < items) load_item(next_item(cur), stage ^ 1);
             cp_async_commit();
         }
 
@@ -263,22 +285,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
         };
 
         const bool needs_mask = !mask.tile_all_visible<BM, BN>(m, n_block);
+        const auto q_rows = a_addr(sm.q[0], lane, s_row0);        // Q, dO as A of S, dP
+        const auto k_rows = b_rows_addr(sm.k, lane, s_col_base);  // K, V as B of S, dP
 #pragma unroll
         for (int chunk = 0; chunk < S_SPLIT; ++chunk) {
             const int s_col0 = s_col_base + chunk * S_COLS;
             float s[S_ROWS / 16][S_COLS / 8][4], dp[S_ROWS / 16][S_COLS / 8][4];
             zero(s);
             zero(dp);
-            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, sm.q[stage], s_row0, 0, sm.k, s_col0, 0, lane);
-            warp_mma<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, sm.dout[stage], s_row0, 0, sm.v, s_col0, 0, lane);
+            warp_mma_at<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(s, q_rows, stage_off, 0, 0, k_rows, 0,
+                                                                         chunk * S_COLS, 0);
+            warp_mma_at<S_ROWS / 16, S_COLS / 8, D, false, false, elem_t>(dp, q_rows, stage_off + dout_off, 0, 0, k_rows,
+                                                                         v_off, chunk * S_COLS, 0);
             if (needs_mask) store_p_ds(BoolConst<true>{}, s, dp, s_col0);
             else store_p_ds(BoolConst<false>{}, s, dp, s_col0);
         }
         __syncthreads();  // P and dS complete
 
         // dV += P^T dO, dK += dS^T Q: A operands are the k-major (query-row) P / dS tiles.
-        warp_mma<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dv, sm.p, kv_row0, 0, sm.dout[stage], kv_col0, 0, lane);
-        warp_mma<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dk, sm.ds, kv_row0, 0, sm.q[stage], kv_col0, 0, lane);
+        const auto p_cols = b_rows_addr(sm.p, lane, 0, kv_row0);      // P, dS as (k-major) A of dV, dK
+        const auto q_cols = b_trans_addr(sm.q[0], lane, 0, kv_col0);  // dO, Q as (k-major) B of dV, dK
+        warp_mma_at<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dv, p_cols, 0, 0, 0, q_cols, stage_off + dout_off,
+                                                                      0, 0);
+        warp_mma_at<KV_ROWS / 16, KV_COLS / 8, BM, true, true, elem_t>(dk, p_cols, ds_off, 0, 0, q_cols, stage_off, 0, 0);
 
         int* semaphore = nullptr;
         int turn = 0;
@@ -296,12 +325,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
         }
         // dQ_i += dS K (K stored [key][d] is k-major for this product), one column chunk at a time. A lane
         // holds two adjacent columns of each row: one 8-byte reduction.
+        const auto ds_rows = a_addr(sm.ds, lane, q_row0);             // dS as A of dQ
+        const auto k_cols = b_trans_addr(sm.k, lane, 0, q_col_base);  // K as (k-major) B of dQ
 #pragma unroll
         for (int chunk = 0; chunk < Q_SPLIT; ++chunk) {
             const int q_col0 = q_col_base + chunk * Q_COLS;
             float dq[Q_ROWS / 16][Q_COLS / 8][4];
             zero(dq);
-            warp_mma<Q_ROWS / 16, Q_COLS / 8, BN, false, true, elem_t>(dq, sm.ds, q_row0, 0, sm.k, q_col0, 0, lane);
+            warp_mma_at<Q_ROWS / 16, Q_COLS / 8, BN, false, true, elem_t>(dq, ds_rows, 0, 0, 0, k_cols, 0, chunk * Q_COLS, 0);
 #pragma unroll
             for (int mi = 0; mi < Q_ROWS / 16; ++mi)
 #pragma unroll
