@@ -108,7 +108,7 @@ FA2_BWD_TILES = {
 FA2_BWD_TILES_PLAIN = {
     64: Fa2BwdTiles(64, 128, 8, 2, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
 }
-# ... and on sm_90 (these layouts sit at 255 registers; ptxas for sm_80 spills 16-72 bytes of them with
+# ... and on sm_90 (these layouts sit at 248-255 registers; ptxas for sm_80 spills 16-72 bytes of them with
 # NVRTC 13.0 or 13.5, for sm_90a neither does): FlashAttention-2's tiles or wider, more keys per block than
 # the general rows, so fewer Q / dO passes and dQ atomics per key and larger warp tiles per ldmatrix. d = 64:
 # 64 x 256 (half the Q / dO passes of the other d = 64 rows; dK / dV 64 x 32 per warp, dQ with 4 warp rows),
@@ -119,7 +119,9 @@ FA2_BWD_TILES_PLAIN = {
 # per warp (warps_s_m = 2), dQ in 2 column chunks. With ALiBi or dropout alone NVRTC 13.0 spills 24-40
 # bytes at d = 256, so the feature variants keep the general rows. H200 (scripts/tune_fa2_bwd.py), N = 2k /
 # 8k, of torch flash: d = 64 0.79-0.83 -> 0.84-0.92 (session 9; FlashAttention-2's 128 x 128 0.87-0.91),
-# d = 128 0.60 -> 0.86-0.87 (session 8), d = 256 0.48 -> 0.71-0.76 (session 8) -> 0.83-0.86 (session 9).
+# d = 128 0.60 -> 0.86-0.87 (session 8), d = 256 0.48 -> 0.71-0.76 (session 8) -> 0.83-0.86 (session 9);
+# with the ldmatrix addresses precomputed (session 12, backward suite at N >= 2k): d = 64 0.95-0.99, d = 128
+# 0.91-0.94, d = 256 0.84-0.87.
 # Rejected: d = 256 with S / dP in one 16 x 32 chunk (+5 % in session 9 with 48 bytes spilled; spill-free
 # since session 12 but within 1 % of this row), d = 64 with 128 x 128 (0.89-0.93 of torch flash against
 # this row's 0.95-0.99, session 12).
