@@ -27,8 +27,9 @@
 // backward: static analysis"): every ldmatrix feeds a warp tile, so the tiles are as large as the
 // registers allow, and the loop carries as little else as possible: the Q/dO copies are unrolled at
 // compile time, LSE and D arrive by cp.async with Q/dO (no global-load latency after the barrier), the
-// per-element mask test exists only in the copy of the P/dS code that edge tiles run, and the dQ
-// atomics are 8-byte vector reductions on sm_90.
+// per-element mask test exists only in the copy of the P/dS code that edge tiles run, the dQ atomics
+// are 8-byte vector reductions on sm_90, and every ldmatrix address is a precomputed base plus an
+// immediate (warp_mma_at: computed per call, the swizzle cost as many issue slots as the ldmatrix).
 #include "common/mask.cuh"
 #include "common/philox.cuh"
 #include "common/ptx.cuh"
@@ -79,8 +80,9 @@ struct BoolConst {
 // cp.async of a whole tile with a compile-time trip count. The common load_tile_async loop starts at
 // threadIdx.x, so ptxas keeps it as a run-time loop plus a remainder loop (~130 instructions per tile);
 // here each thread owns one 16-byte column chunk and walks rows THREADS / CHUNKS apart, so the loop
-// unrolls into one cp.async, one row test and one pointer add per step. Tiles whose chunk count does not
-// divide the block (d = 96, 192) keep the common loop.
+// unrolls into one cp.async, one row test and one pointer add per step (no row test with ALL_ROWS: the
+// caller knows the whole tile is in range). Tiles whose chunk count does not divide the block (d = 96,
+// 192) keep the common loop.
 template <bool ALL_ROWS, int ROWS, int COLS, bool SW>
 __device__ __forceinline__ void load_tile_unrolled(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
                                                    int rows_valid) {
@@ -194,11 +196,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_bwd(const Fa2BwdPar
     };
     if (items > 0) {
         load_tile_unrolled<false>(sm.k, p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                                     (i64(seq.k_start) + key0) * p.k_row_stride,
-                           p.k_row_stride, seq.seqlen_k - key0);
+                                            (i64(seq.k_start) + key0) * p.k_row_stride,
+                                  p.k_row_stride, seq.seqlen_k - key0);
         load_tile_unrolled<false>(sm.v, p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                                     (i64(seq.k_start) + key0) * p.v_row_stride,
-                           p.v_row_stride, seq.seqlen_k - key0);
+                                            (i64(seq.k_start) + key0) * p.v_row_stride,
+                                  p.v_row_stride, seq.seqlen_k - key0);
         if constexpr (QSTAGES == 2) load_item(Item{kv_head * group, m_lo}, 0);
         cp_async_commit();
     }
