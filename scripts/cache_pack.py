@@ -36,11 +36,11 @@ def probe_variants() -> list:
               heuristics.FA2_BWD_TILES_PLAIN_SM90)
     with ab_probe.tables_edited(tables, lambda table: None):  # (the edits below undone after)
         # the tune stage's FA2 candidates (each script's use() sets the tables the same way)
-        for d in (128, 256):
+        for d in tune_fa2.CANDIDATES:
             for tiles in tune_fa2.CANDIDATES[d]:
                 heuristics.FA2_TILES[d] = tiles
                 variants.append(fa2.fwd_variant(d, "bfloat16"))
-        for d in (64, 256):
+        for d in tune_fa2_bwd.CANDIDATES:
             heuristics.FA2_BWD_TILES_PLAIN.pop(d, None)
             heuristics.FA2_BWD_TILES_PLAIN_SM90.pop(d, None)
             for tiles in tune_fa2_bwd.CANDIDATES[d]:
