@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int n_block = p.highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = warpgroup_index();
     // The sequence, its mask and the Q blocks this K block sees, [m_lo, m_hi): each role finds them after its
     // setmaxnreg (ptxas spilled them when they lived across it).
     int m_lo, m_hi;

@@ -104,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int n_block = p.highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = warpgroup_index();
     int m_lo, m_hi;  // the Q blocks that see this K block (each role finds them after its setmaxnreg)
 
     if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
