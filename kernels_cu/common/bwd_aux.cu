@@ -1,7 +1,7 @@
 // The two small passes around every attention backward, a group of lanes per (batch, head, row), one
 // 16-byte chunk of the row per lane (a warp per row left 3/4 of its lanes idle at d = 64):
 //   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
-//                   lse_rows is set, a copy of the forward's LSE) go to rows row_pitch apart, so a kernel
+//                   lse_rows is set, the forward's LSE in log2 units) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
 //   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
 // Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
@@ -20,7 +20,8 @@ struct BwdAuxParams {
     int batch, heads, seqlen_q;
     float scale;  // dQ = scale * dq_accum
     const float* lse;  // the forward's LSE, contiguous (batch, heads, seqlen_q); read only when lse_rows is set
-    float* lse_rows;   // null, or its copy in dsum's layout
+    float* lse_rows;   // null, or its copy in dsum's layout, in log2 units (LSE log2(e), +inf for a row that saw
+                       // no key): what the FA3 backward subtracts in its exponent, as it reads it
     i64 row_pitch;     // >= seqlen_q
     // Packed variable-length rows (batch 1 of seqlen_q = total rows) with lse_rows: null, or the (varlen_batch
     // + 1) sequence offsets; row i of sequence b then goes to row padded_seq_start(cu[b], b) + (i - cu[b]) of
@@ -93,7 +94,10 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
             row = i64(h) * p.row_pitch + padded_seq_start(cu[lo], lo) + (i - cu[lo]);
         }
         p.dsum[row] = acc;
-        if (p.lse_rows) p.lse_rows[row] = p.lse[rc.r];
+        if (p.lse_rows) {
+            const float l = p.lse[rc.r];
+            p.lse_rows[row] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
+        }
     }
 }
 

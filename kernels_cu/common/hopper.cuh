@@ -134,6 +134,11 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
 // i, acc[4i + 0, 1] = (row 16 w + g, columns 8 i + 2 t, + 1), acc[4i + 2, 3] = (row 16 w + g + 8, ...):
 // the mma.sync C layout repeated; an A fragment in registers follows the mma.sync A layout.
 
+// This thread's warpgroup, broadcast from lane 0: the compiler then knows it is warp-uniform, so shared-memory
+// addresses and wgmma descriptors derived from it live in uniform registers instead of being moved there
+// (R2UR) in front of every wgmma.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0); }
+
 // Shared-memory matrix descriptor of a 128-byte-swizzled operand starting at `p`: start address,
 // leading and stride byte offsets (all >> 4), swizzle mode 1 (128 B).
 //   K-major (wgmma_desc): leading offset unused (1), stride 1024 bytes between 8-row groups.

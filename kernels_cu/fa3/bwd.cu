@@ -121,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int n_block = p.highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = warpgroup_index();
     // The sequence, its mask and the Q blocks this K block sees, [m_lo, m_hi): each role finds them after its
     // setmaxnreg (ptxas spilled them when they lived across it).
     int m_lo, m_hi;
@@ -168,15 +168,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         unsigned char* ds = sm.ds[c];
         mbar_wait(&sm.kv_full, 0);
         // Step i: Q block m of the group's (i / (m_hi - m_lo))-th query head (the consumers need only m; two
-        // nested loops kept a head counter live, which ptxas spilled).
-        const int steps = group * (m_hi - m_lo);
-        for (int i = 0; i < steps; ++i) {
-            const int m = step_q_block(p, i % (m_hi - m_lo), n_block, m_lo, m_hi), s = i % STAGES;
+        // nested loops kept a head counter live, which ptxas spilled). The step's place within the head, qi,
+        // and the head, h_i, are counted along (uniform registers) instead of divided out at every step.
+        const int m_count = m_hi - m_lo, steps = group * m_count;
+        int qi = 0, h_i = 0;
+        for (int i = 0; i < steps; ++i, qi = qi + 1 == m_count ? 0 : qi + 1, h_i += qi == 0) {
+            const int m = step_q_block(p, qi, n_block, m_lo, m_hi), s = i % STAGES;
             // Where this step's dQ tile goes, for the writer, while few registers are live (at the end of
             // the step it made ptxas spill). Slot tile % DQ_TILE_SLOTS: this consumer staged the tile two
             // before this one only once the writer had read that one's slot.
             if (t == 0 && dq_atom(c, i) >= 0) {
-                const int h = kv_head * group + i / (m_hi - m_lo), a = dq_atom(c, i);
+                const int h = kv_head * group + h_i, a = dq_atom(c, i);
                 DqTile& tile = sm.dq_tile[c][dq_tile_index(i) % DQ_TILE_SLOTS];
                 tile.col = a * 64;
                 tile.row = seq.q_start + m * BM;

@@ -175,18 +175,30 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (
                                                      const float* dsum_rows, int m, int n_block, int q0, int key_lo,
                                                      const Lane& ln, const SeqInfo& seq, const Mask& mask,
                                                      const Fa3BwdParams& p) {
-    // Per query column: lse in log2 units (+inf where no probability flows: rows past the end, rows that
-    // saw no key) and D, from the block's rows the producer loaded with Q and dO.
+    // Per query column: lse in log2 units (+inf where no probability flows: rows that saw no key, as the
+    // preprocess wrote them, and rows past the end) and D, from the block's rows the producer loaded with Q
+    // and dO. A whole block (most) reads them as they are; only the last block of a sequence tests rows.
     float lse2[N / 8][2], dsum[N / 8][2];
+    if ((m + 1) * BM <= seq.seqlen_q) {
 #pragma unroll
-    for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int r = q0 + 8 * j + 2 * ln.q4 + e, row = m * BM + r;
-            const float l = row < seq.seqlen_q ? lse_rows[r] : neg_inf();
-            lse2[j][e] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
-            dsum[j][e] = row < seq.seqlen_q ? dsum_rows[r] : 0.f;
-        }
+            for (int e = 0; e < 2; ++e) {
+                const int r = q0 + 8 * j + 2 * ln.q4 + e;
+                lse2[j][e] = lse_rows[r];
+                dsum[j][e] = dsum_rows[r];
+            }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int r = q0 + 8 * j + 2 * ln.q4 + e;
+                const bool in = m * BM + r < seq.seqlen_q;
+                lse2[j][e] = in ? lse_rows[r] : -neg_inf();
+                dsum[j][e] = in ? dsum_rows[r] : 0.f;
+            }
+    }
     const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);  // a tile with masked pairs
     auto probabilities = [&]() {
 #pragma unroll

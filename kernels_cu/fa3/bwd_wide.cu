@@ -104,7 +104,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int n_block = p.highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = warpgroup_index();
     int m_lo, m_hi;  // the Q blocks that see this K block (each role finds them after its setmaxnreg)
 
     if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
@@ -158,11 +158,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     if (m_lo < m_hi) {
         mbar_wait(&sm.kv_full, 0);
-        const int steps = group * (m_hi - m_lo);  // step i: Q block m of the group's (i / (m_hi - m_lo))-th head
-        for (int i = 0; i < steps; ++i) {
-            const int m = step_q_block(p, i % (m_hi - m_lo), n_block, m_lo, m_hi), s = i % STAGES;
+        // Step i: Q block m of the group's h_i-th head, qi-th of its range (counted, not divided: fa3/bwd.cu).
+        const int m_count = m_hi - m_lo, steps = group * m_count;
+        int qi = 0, h_i = 0;
+        for (int i = 0; i < steps; ++i, qi = qi + 1 == m_count ? 0 : qi + 1, h_i += qi == 0) {
+            const int m = step_q_block(p, qi, n_block, m_lo, m_hi), s = i % STAGES;
             if (t == 0) {  // where this step's dQ tile goes, for the writer (fa3/bwd.cu: DQ_TILE_SLOTS)
-                const int h = kv_head * group + i / (m_hi - m_lo);
+                const int h = kv_head * group + h_i;
                 DqTile& tile = sm.dq_tile[c][i % DQ_TILE_SLOTS];
                 tile.col = c * HALF;
                 tile.row = seq.q_start + m * BM;

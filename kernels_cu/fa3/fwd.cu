@@ -396,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = aligned_smem<Smem>(smem_raw);
 
-    const int warpgroup = threadIdx.x / 128;
+    const int warpgroup = warpgroup_index();
     const int group = p.heads / p.kv_heads;
     // Tiles: (packed) row blocks x heads (KV heads when packing) x batch; rows of the longest sequence when
     // VARLEN.
