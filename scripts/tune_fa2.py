@@ -22,22 +22,20 @@ from cuflash.bench import time_fn
 from cuflash.compile_report import parse_ptxas_log
 
 T = heuristics.Fa2Tiles
-# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages, min_blocks]); the first of each row is the table's. All
-# compile without spills for sm_90a with NVRTC 13.5 and 13.0 (plain bf16 variant; bench/NOTES.md, "FA2 forward:
-# static analysis", "Session 8: FA2 tile candidates" and session 11). Rejected for spills: any compute_n <
-# block_n with the sub-step loop unrolled; Q in registers at d = 256 (44 bytes); 128 x 64 x 4 warps with one
-# K / V buffer at d = 128 (torch flash's tile there: 48 bytes). Session 11: one K and one V buffer
-# (kv_stages=1), FlashAttention-2's schedule, which lets 64-key tiles keep two blocks per SM at d = 256 (98 KB;
-# torch flash runs 64 x 64 x 4 warps there); 8 warps of 16 rows at 128 x 64 (one block per SM: 198 registers)
-# and 64 x 128 x 4 (half the iterations of the table, one m-tile per warp) at d = 128; taken there. Then
-# (session 11, not measured): three blocks per SM at d = 128 (min_blocks=3: at most 168 registers), 64 x 32
-# one buffer (160 registers, clean under both NVRTCs) and 64 x 64 one buffer (168; 8 bytes of stack under
-# NVRTC 13.5, clean under 13.0, the device's), and the former table row 128 x 64 / 32 as a reference.
+# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages, min_blocks, reduce_chains]); the first of each
+# row is the table's. History (bench/NOTES.md: "FA2 forward: static analysis", "Session 8: FA2 tile
+# candidates", sessions 11 and 12): one K and one V buffer (kv_stages=1) taken at d = 128 and 256 in session
+# 11; three blocks per SM at d = 128 (min_blocks=3) measured slower in session 12. Now (branch
+# next/fa2-bwd-dq-interleave, not measured): each table row with its row max and row sum split into
+# independent partial chains (reduce_chains=2 / 4: ncu put the FA2 forward at d = 128 at 2.0 cycles per
+# instruction of "wait" -- fixed-latency dependencies -- against torch flash's 1.3, and one chain is
+# compute_n / 8 dependent FMNMX, then FADD, deep). All compile without spills under NVRTC 13.0 and 13.5,
+# plain and all-feature variants.
 CANDIDATES = {
-    64: [T(128, 128, 4, 64, True), T(128, 64, 4, 0, True), T(128, 64, 4, 0, False), T(128, 128, 4, 64, False)],
-    128: [T(64, 128, 4, 0, False, kv_stages=1), T(64, 32, 4, 0, False, kv_stages=1, min_blocks=3),
-          T(64, 64, 4, 0, False, kv_stages=1, min_blocks=3), T(128, 64, 4, 32, False)],
-    256: [T(64, 32, 4, 0, False), T(64, 64, 4, 0, False, kv_stages=1), T(128, 64, 8, 0, False, kv_stages=1)],
+    64: [T(128, 128, 4, 64, True), T(128, 128, 4, 64, True, reduce_chains=4)],
+    128: [T(64, 128, 4, 0, False, kv_stages=1), T(64, 128, 4, 0, False, kv_stages=1, reduce_chains=2),
+          T(64, 128, 4, 0, False, kv_stages=1, reduce_chains=4)],
+    256: [T(64, 64, 4, 0, False, kv_stages=1), T(64, 64, 4, 0, False, kv_stages=1, reduce_chains=4)],
 }
 SEQLENS = (2048, 8192)
 
@@ -102,7 +100,7 @@ def main():
                     err = out_error(cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"), ref)
                     t = median_ms(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"))
                     cfg = (f"({tiles.block_m},{tiles.block_n},{tiles.warps},{tiles.compute_n},{int(tiles.q_in_regs)}"
-                           f",{tiles.kv_stages},{tiles.min_blocks})")
+                           f",{tiles.kv_stages},{tiles.min_blocks},{tiles.reduce_chains})")
                     print(f"d={d} N={n} causal={causal!s:5} {cfg} regs {regs} spill {spill}: fa2 {flops / t / 1e9:5.0f}"
                           f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash | err {err:.1e}"
                           f"{' WRONG' if err > 0.1 else ''}", flush=True)
