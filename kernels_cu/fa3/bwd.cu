@@ -101,7 +101,7 @@ __device__ __forceinline__ void issue_acc_ay(float (&acc)[DP / 2], const u32 (&a
 // The dQ atom consumer c computes at step i (the i-th (head, Q block) of this K block), or -1 for none: at
 // d = 128 each consumer takes one atom, (c + i) % 2; at d = 64 the consumers take turns.
 __device__ __forceinline__ int dq_atom(int c, int i) {
-    if constexpr (ATOMS == 2) return (c + i) % 2;
+    if constexpr (ATOMS == 2) return (c + i) & 1;  // (not % 2: the compiler then knows a >= 0)
     return i % 2 == c ? 0 : -1;
 }
 // How many dQ tiles a consumer staged before step i (it owns one at every step at d = 128, every other at
@@ -190,16 +190,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             issue_xyt(st, k_rows, sm.q[s]);
             issue_xyt(dpt, v_rows, sm.dout[s]);
 
-            probabilities_and_ds<BM, BN, SOFTCAP, BM>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, 0, key_lo, ln, seq,
-                                                      mask, p);
-
+            // P^T, then dV += P^T dO on the tensor cores while dS^T is formed, and dK += dS^T Q after dQ so
+            // that dQ's staging runs under it (FlashAttention-3's order). With a softcap P^T needs dP^T first
+            // (probabilities_and_ds) and both follow dS^T at once, dK before dQ (the other order spills
+            // there: 200-270 bytes at d = 96 / 128).
             u32 pa[BM / 16][4], dsa[BM / 16][4];
-            acc_to_a_frags<BM>(st, pa);
-            acc_to_a_frags<BM>(dpt, dsa);
-            wgmma_fence();
-            issue_acc_ay(dv, pa, sm.dout[s]);
-            issue_acc_ay(dk, dsa, sm.q[s]);
-            wgmma_commit();
+            auto issue_dk = [&]() {
+                wgmma_fence();
+                issue_acc_ay(dk, dsa, sm.q[s]);
+                wgmma_commit();
+            };
+            auto release_slot = [&]() {
+                wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
+                wgmma_fence_regs(dk);
+                wgmma_fence_regs(dv);
+                if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+            };
+            if constexpr (SOFTCAP) {
+                probabilities_and_ds<BM, BN, SOFTCAP, BM>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, 0, key_lo, ln,
+                                                          seq, mask, p);
+                acc_to_a_frags<BM>(st, pa);
+                acc_to_a_frags<BM>(dpt, dsa);
+                wgmma_fence();
+                issue_acc_ay(dv, pa, sm.dout[s]);
+                issue_acc_ay(dk, dsa, sm.q[s]);
+                wgmma_commit();
+            } else {
+                float lse2[BM / 8][2], dsum[BM / 8][2];  // read before the waits, which order loads after them
+                column_values<BM, BM>(lse2, sm.lse[s], -neg_inf(), m, 0, ln, seq);
+                column_values<BM, BM>(dsum, sm.dsum[s], 0.f, m, 0, ln, seq);
+                wgmma_wait<1>();  // S^T
+                wgmma_fence_regs(st);
+                probabilities<BM, BN, SOFTCAP, BM>(st, lse2, m, n_block, 0, key_lo, ln, mask, p);
+                acc_to_a_frags<BM>(st, pa);
+                wgmma_fence();
+                issue_acc_ay(dv, pa, sm.dout[s]);
+                wgmma_commit();
+                wgmma_wait<1>();  // dP^T (dV stays in flight)
+                wgmma_fence_regs(dpt);
+                subtract_dsum<SOFTCAP, BM>(dpt, st, dsum);
+#pragma unroll
+                for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
+                acc_to_a_frags<BM>(dpt, dsa);
+            }
 
             // dS^T to shared memory for dQ: both consumers' dQ GEMMs of the last step, which read both
             // halves of sm.ds, are done (each waited for its own before arriving here).
@@ -214,17 +247,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 }
             fence_async_smem();
             named_sync(DS_READY_BAR, 256);  // dS^T of all BN keys is in sm.ds
-
-            wgmma_wait<0>();  // dV, dK: P^T and dS^T leave the registers
-            wgmma_fence_regs(dk);
-            wgmma_fence_regs(dv);
-            if (lane == 0) mbar_arrive(&sm.qd_empty[s]);  // Q and dO of this slot are no longer read
+            if constexpr (SOFTCAP) release_slot();  // before dQ's accumulators are live (registers)
 
             // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
             // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
             // added twice the bytes); dq_atom says which. A = dS^T read MN-major from both halves of
             // sm.ds, B = K MN-major; the descriptors advance from one base each (hoisting all 16 cost
-            // ptxas registers: spills).
+            // ptxas registers: spills). Then (without a softcap) dK, whose wgmmas run while dQ is staged.
             const int a = dq_atom(c, i);
             if (a >= 0) {
                 const int tile = dq_tile_index(i), buf = tile % DQ_STAGES;
@@ -238,8 +267,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     wgmma_ss_mn<64>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
                                     wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
                 wgmma_commit();
+                if constexpr (!SOFTCAP) issue_dk();
                 unsigned char* dq_tile = sm.dq[c][buf];
-                wgmma_wait<0>();
+                wgmma_wait<SOFTCAP ? 0 : 1>();  // dQ (and dV; without a softcap dK stays in flight)
                 wgmma_fence_regs(dq);
                 // Two boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte swizzle: 16-byte chunk c of
                 // row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
@@ -256,7 +286,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 fence_async_smem();
                 named_sync(DQ_BAR + c, 128);
                 if (t == 0) mbar_arrive(&sm.dq_full[c][buf]);  // to this consumer's dQ writer
+            } else if constexpr (!SOFTCAP) {
+                issue_dk();
             }
+            if constexpr (!SOFTCAP) release_slot();
         }
     }
 

@@ -162,77 +162,64 @@ struct Lane {
     int w, g, q4;
 };
 
-// A consumer's step after it issued S^T = K Q^T and then dP^T = V dO^T (two commit groups) for 64 keys
-// (this thread's: key_lo and key_lo + 8; K block n_block of BN keys) and the N query rows q0 .. q0 + N - 1
-// of Q block m: waits for
-// each and turns st into P^T = 2^(S^T c - lse log2 e) and dpt into dS^T = P^T o (dP^T - D), with the
-// block's LSE and D rows from shared memory (lse_rows, dsum_rows: the ring slot's). Masked pairs, rows
-// past the sequence and rows that saw no key get P = 0. With a softcap the logits are t = tanh(S^T
-// softcap_pre) and dS^T carries the cap's derivative, o (1 - t^2); P^T is formed after dP^T arrives so
-// that t need not share the registers with P^T.
-template <int BM, int BN, bool SOFTCAP, int N>
-__device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (&dpt)[N / 2], const float* lse_rows,
-                                                     const float* dsum_rows, int m, int n_block, int q0, int key_lo,
-                                                     const Lane& ln, const SeqInfo& seq, const Mask& mask,
-                                                     const Fa3BwdParams& p) {
-    // Per query column: lse in log2 units (+inf where no probability flows: rows that saw no key, as the
-    // preprocess wrote them, and rows past the end) and D, from the block's rows the producer loaded with Q
-    // and dO. A whole block (most) reads them as they are; only the last block of a sequence tests rows.
-    float lse2[N / 8][2], dsum[N / 8][2];
+// The per-query-column values a thread needs from a block's rows (LSE or D), for the N query rows q0 .. q0 +
+// N - 1 of Q block m: v[j][e] = rows[q0 + 8 j + 2 q4 + e], `outside` for rows past the sequence. A whole
+// block (most) reads them as they are; only the last block of a sequence tests rows.
+template <int BM, int N>
+__device__ __forceinline__ void column_values(float (&v)[N / 8][2], const float* rows, float outside, int m, int q0,
+                                              const Lane& ln, const SeqInfo& seq) {
     if ((m + 1) * BM <= seq.seqlen_q) {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int r = q0 + 8 * j + 2 * ln.q4 + e;
-                lse2[j][e] = lse_rows[r];
-                dsum[j][e] = dsum_rows[r];
-            }
+            for (int e = 0; e < 2; ++e) v[j][e] = rows[q0 + 8 * j + 2 * ln.q4 + e];
     } else {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int r = q0 + 8 * j + 2 * ln.q4 + e;
-                const bool in = m * BM + r < seq.seqlen_q;
-                lse2[j][e] = in ? lse_rows[r] : -neg_inf();
-                dsum[j][e] = in ? dsum_rows[r] : 0.f;
+                v[j][e] = m * BM + r < seq.seqlen_q ? rows[r] : outside;
             }
     }
+}
+
+// st (64 keys x N queries: S^T, or with a softcap the capped logits t) into P^T = 2^(st c - lse2) for this
+// thread's keys key_lo, key_lo + 8 of K block n_block and the N query rows q0 .. of Q block m; lse2 per
+// query column (column_values of the block's LSE rows, log2 units, +inf where no probability flows: rows
+// that saw no key, as the preprocess wrote them, and rows past the end). Masked pairs get P = 0.
+template <int BM, int BN, bool SOFTCAP, int N>
+__device__ __forceinline__ void probabilities(float (&st)[N / 2], const float (&lse2)[N / 8][2], int m, int n_block,
+                                              int q0, int key_lo, const Lane& ln, const Mask& mask,
+                                              const Fa3BwdParams& p) {
     const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);  // a tile with masked pairs
-    auto probabilities = [&]() {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float& x = st[4 * j + e];
+            x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
+            const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
+            if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
+        }
+    // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the exponentials, its
+    // predicated compares kept everything live at once: ptxas spilled).
+    if (!SOFTCAP && edge) {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float& x = st[4 * j + e];
-                x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
                 const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
-                if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
+                if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
             }
-        // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the exponentials,
-        // its predicated compares kept everything live at once: ptxas spilled); with a cap, P is formed
-        // after dP^T and the other way round spills.
-        if (!SOFTCAP && edge) {
-#pragma unroll
-            for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
-                    if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
-                }
-        }
-    };
-    wgmma_wait<1>();  // S^T
-    wgmma_fence_regs(st);
-    if constexpr (SOFTCAP) {
-#pragma unroll
-        for (int j = 0; j < N / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
-    } else {
-        probabilities();
     }
-    wgmma_wait<0>();  // dP^T
-    wgmma_fence_regs(dpt);
+}
+
+// dpt (dP^T) minus D per query column (column_values of the block's D rows; 0 past the sequence); with a
+// softcap times the cap's derivative 1 - t^2 (st still holds t). The caller multiplies by P^T after.
+template <bool SOFTCAP, int N>
+__device__ __forceinline__ void subtract_dsum(float (&dpt)[N / 2], const float (&st)[N / 2],
+                                              const float (&dsum)[N / 8][2]) {
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -241,7 +228,32 @@ __device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (
             ds -= dsum[j][e % 2];
             if constexpr (SOFTCAP) ds *= 1.f - st[4 * j + e] * st[4 * j + e];
         }
-    if constexpr (SOFTCAP) probabilities();
+}
+
+// A consumer's step after it issued S^T = K Q^T and then dP^T = V dO^T (two commit groups) for 64 keys
+// and N query rows: waits for each and turns st into P^T and dpt into dS^T = P^T o (dP^T - D). With a
+// softcap the logits are t = tanh(S^T softcap_pre) and P^T is formed after dP^T arrives so that t need not
+// share the registers with P^T.
+template <int BM, int BN, bool SOFTCAP, int N>
+__device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (&dpt)[N / 2], const float* lse_rows,
+                                                     const float* dsum_rows, int m, int n_block, int q0, int key_lo,
+                                                     const Lane& ln, const SeqInfo& seq, const Mask& mask,
+                                                     const Fa3BwdParams& p) {
+    float lse2[N / 8][2], dsum[N / 8][2];  // read before the waits, which order every load after them
+    column_values<BM, N>(lse2, lse_rows, -neg_inf(), m, q0, ln, seq);
+    column_values<BM, N>(dsum, dsum_rows, 0.f, m, q0, ln, seq);
+    wgmma_wait<1>();  // S^T
+    wgmma_fence_regs(st);
+    if constexpr (SOFTCAP) {
+#pragma unroll
+        for (int j = 0; j < N / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
+    } else {
+        probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p);
+    }
+    wgmma_wait<0>();  // dP^T
+    wgmma_fence_regs(dpt);
+    subtract_dsum<SOFTCAP, N>(dpt, st, dsum);
+    if constexpr (SOFTCAP) probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p);
 #pragma unroll
     for (int j = 0; j < N / 2; ++j) dpt[j] *= st[j];
 }
