@@ -72,7 +72,6 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     # defined only away from the kernel's defaults (2 stages, 1 block), so the other variants keep their names
     non_default = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()
     non_default += (("CUFLASH_MIN_BLOCKS", t.min_blocks),) if t.min_blocks != 1 else ()
-    non_default += (("CUFLASH_REDUCE_CHAINS", t.reduce_chains),) if t.reduce_chains != 1 else ()
     return Variant(
         FAMILY,
         "fa2/fwd.cu",

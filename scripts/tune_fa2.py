@@ -22,21 +22,17 @@ from cuflash.bench import time_fn
 from cuflash.compile_report import parse_ptxas_log
 
 T = heuristics.Fa2Tiles
-# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages, min_blocks, reduce_chains]); the first of each
-# row is the table's. History (bench/NOTES.md: "FA2 forward: static analysis", "Session 8: FA2 tile
-# candidates", sessions 11 and 12): one K and one V buffer (kv_stages=1) taken at d = 128 and 256 in session
-# 11; three blocks per SM at d = 128 (min_blocks=3) measured slower in session 12. Now: each table row with
-# its row max and row sum split into independent partial chains (reduce_chains=2 / 4: ncu put the FA2
-# forward at d = 128 at 2.0 cycles per instruction of "wait" -- fixed-latency dependencies -- against torch
-# flash's 1.3, and one chain is compute_n / 8 dependent FMNMX, then FADD, deep). All compile without spills
-# under NVRTC 13.0 and 13.5, plain and all-feature variants. Session 13's first run: within 1 % of the table
-# row everywhere but N = 8k non-causal, where the table row, measured first, read 302 TF/s against 319 / 319
-# (d = 128) and 314 against 327 (d = 256): the chains, or a first-run effect? Hence the repeat below.
+# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages, min_blocks]); the first of each row is the
+# table's. History (bench/NOTES.md: "FA2 forward: static analysis", "Session 8: FA2 tile candidates", sessions
+# 11 to 13): one K and one V buffer (kv_stages=1) taken at d = 128 and 256 in session 11; three blocks per SM
+# at d = 128 (min_blocks=3) slower in session 12; each row's max and sum in 2 or 4 independent chains
+# (session 13) level with one chain once the table row was timed again last (its first reading at the 8k
+# non-causal shape was 4-9 % low: the repeat below catches that). The table rows are candidates here still,
+# for the next idea to be measured against.
 CANDIDATES = {
-    64: [T(128, 128, 4, 64, True), T(128, 128, 4, 64, True, reduce_chains=4)],
-    128: [T(64, 128, 4, 0, False, kv_stages=1), T(64, 128, 4, 0, False, kv_stages=1, reduce_chains=2),
-          T(64, 128, 4, 0, False, kv_stages=1, reduce_chains=4)],
-    256: [T(64, 64, 4, 0, False, kv_stages=1), T(64, 64, 4, 0, False, kv_stages=1, reduce_chains=4)],
+    64: [T(128, 128, 4, 64, True)],
+    128: [T(64, 128, 4, 0, False, kv_stages=1)],
+    256: [T(64, 64, 4, 0, False, kv_stages=1)],
 }
 SEQLENS = (2048, 8192)
 
@@ -97,13 +93,13 @@ def main():
                 line = " ".join(f"{name[:5].lower()} {flops / t / 1e9:5.0f}" for name, t in peers.items())
                 ref = torch_flash_out(q, k, v, causal)
                 # The table's row once more at the end: a first-run effect (session 13: the first candidate of
-                # the 8k non-causal shape read 4-6 % under the rest twice) shows as a gap to its own repeat.
+                # the 8k non-causal shape read 4-9 % under the rest twice) shows as a gap to its own repeat.
                 for tiles in [*CANDIDATES[d], CANDIDATES[d][0]]:
                     regs, spill = use(d, tiles)
                     err = out_error(cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"), ref)
                     t = median_ms(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"))
                     cfg = (f"({tiles.block_m},{tiles.block_n},{tiles.warps},{tiles.compute_n},{int(tiles.q_in_regs)}"
-                           f",{tiles.kv_stages},{tiles.min_blocks},{tiles.reduce_chains})")
+                           f",{tiles.kv_stages},{tiles.min_blocks})")
                     print(f"d={d} N={n} causal={causal!s:5} {cfg} regs {regs} spill {spill}: fa2 {flops / t / 1e9:5.0f}"
                           f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash | err {err:.1e}"
                           f"{' WRONG' if err > 0.1 else ''}", flush=True)

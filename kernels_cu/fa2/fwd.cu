@@ -17,7 +17,7 @@
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
 // CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_KV_STAGES (1/2, default 2), CUFLASH_MIN_BLOCKS
-// (default 1), CUFLASH_REDUCE_CHAINS (default 1: partial max / sum chains per row), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
+// (default 1), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
 // CUFLASH_DROPOUT (0/1: P is dropped after the row sums, so the softmax normalisation is the
 // undropped one, as in FlashAttention), CUFLASH_Q_REGS (0/1, default 0: Q fragments in registers).
 #include "common/mask.cuh"
@@ -35,9 +35,6 @@
 #endif
 #ifndef CUFLASH_MIN_BLOCKS
 #define CUFLASH_MIN_BLOCKS 1
-#endif
-#ifndef CUFLASH_REDUCE_CHAINS
-#define CUFLASH_REDUCE_CHAINS 1
 #endif
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -58,10 +55,6 @@ constexpr int KV_STAGES = CUFLASH_KV_STAGES;  // K / V buffers each: 2 = a ring,
 // Blocks per SM the registers must allow (__launch_bounds__): 3 caps a 128-thread block at 168 registers,
 // so small tiles can run 12 warps per SM where latency, not issue, bounds them.
 constexpr int MIN_BLOCKS = CUFLASH_MIN_BLOCKS;
-// Independent partial chains of each row's max and sum over a step's keys: one chain is KN / 8 dependent
-// FMNMX (then FADD) deep, each waiting out the previous one's latency with two warps per scheduler.
-constexpr int CHAINS = CUFLASH_REDUCE_CHAINS;
-static_assert((KN / 8) % CHAINS == 0, "the chains split a row's key groups evenly");
 static_assert(KV_STAGES == 2 || (KV_STAGES == 1 && KN == BN), "one K/V buffer: the whole tile per step");
 
 struct Smem {
@@ -228,31 +221,21 @@ __device__ __forceinline__ void online_softmax(Frag (&s)[MT][KN / 8], Frag (&o)[
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float part[CHAINS];
+            float mx = row_max[mt][r];
 #pragma unroll
-            for (int c = 0; c < CHAINS; ++c) part[c] = c == 0 ? row_max[mt][r] : neg_inf();
-#pragma unroll
-            for (int j = 0; j < KN / 8; ++j)
-                part[j % CHAINS] = fmaxf(part[j % CHAINS], fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-            float mx = part[0];
-#pragma unroll
-            for (int c = 1; c < CHAINS; ++c) mx = fmaxf(mx, part[c]);
+            for (int j = 0; j < KN / 8; ++j) mx = fmaxf(mx, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
             mx = quad_max(mx);
             // A row with nothing visible yet keeps max -inf: exponentiate against 0 then.
             const float base = mx == neg_inf() ? 0.f : mx * p.scale_log2;
             alpha[mt][r] = mx == row_max[mt][r] ? 1.f : fast_exp2(row_max[mt][r] * p.scale_log2 - base);
             row_max[mt][r] = mx;
-#pragma unroll
-            for (int c = 0; c < CHAINS; ++c) part[c] = 0.f;
+            float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < KN / 8; ++j) {
                 s[mt][j][2 * r] = fast_exp2(s[mt][j][2 * r] * p.scale_log2 - base);
                 s[mt][j][2 * r + 1] = fast_exp2(s[mt][j][2 * r + 1] * p.scale_log2 - base);
-                part[j % CHAINS] += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
+                sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
             }
-            float sum = part[0];
-#pragma unroll
-            for (int c = 1; c < CHAINS; ++c) sum += part[c];
             row_sum[mt][r] = row_sum[mt][r] * alpha[mt][r] + sum;
         }
     }
