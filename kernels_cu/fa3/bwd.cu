@@ -19,6 +19,8 @@
 //     dQ element is added once per block and step (version 0 added two 64-key halves: twice the traffic).
 //     The consumer stages its dQ tile in one of two buffers and goes on; the producer warpgroup's dQ
 //     writer for that consumer issues the reduce-add and frees the buffer once TMA has read it.
+//     Order within a step (FlashAttention-3's): dV goes to the tensor cores as soon as P^T exists, under
+//     dS^T's arithmetic, and dK after dQ, so dQ's staging runs under dK (softcap: dV, dK after dS^T).
 //   The LSE and D rows of each (Q, dO) block arrive with it through the ring (flat row tensor maps), not by
 //   loads from the consumers that the S^T GEMM could not hide.
 //   At the end dK (times the softmax scale) and dV are stored from registers.
