@@ -288,8 +288,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 fence_async_smem();
                 named_sync(DQ_BAR + c, 128);
                 if (t == 0) mbar_arrive(&sm.dq_full[c][buf]);  // to this consumer's dQ writer
-            } else if constexpr (!SOFTCAP) {
-                issue_dk();
+            } else if constexpr (!SOFTCAP) {  // (dK in each branch: issued once after a dQ under a condition,
+                issue_dk();                      // it made ptxas serialise every wgmma, C7514)
             }
             if constexpr (!SOFTCAP) release_slot();
         }
