@@ -69,9 +69,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     swizzled = headdim % 64 == 0
     kv_bytes = 2 * t.kv_stages * smem_tile_bytes(t.block_n, headdim, swizzled)
     smem = smem_tile_bytes(t.block_m, headdim, swizzled) + kv_bytes
-    # defined only away from the kernel's defaults (2 stages, 1 block), so the other variants keep their names
+    # defined only away from the kernel's default (2 stages), so the other variants keep their names
     non_default = (("CUFLASH_KV_STAGES", t.kv_stages),) if t.kv_stages != 2 else ()
-    non_default += (("CUFLASH_MIN_BLOCKS", t.min_blocks),) if t.min_blocks != 1 else ()
     return Variant(
         FAMILY,
         "fa2/fwd.cu",

@@ -40,7 +40,6 @@ class Fa2Tiles:
     q_in_regs: bool = False  # Q's A fragments stay in registers (block_m / warps x d / 2 bf16 per lane);
     #                          taken only by variants without softcap, ALiBi or dropout (fa2.fwd_tiles)
     kv_stages: int = 2  # K / V buffers each: 2 = a ring; 1 = one each, refilled as freed (compute_n = block_n)
-    min_blocks: int = 1  # blocks per SM the registers must allow (3: at most 168 per thread at 4 warps)
 
 
 # head dim -> FA2 forward tiles, measured on the H200 (bench/NOTES.md, FA2 v0). Two m-tiles per warp

@@ -22,12 +22,12 @@ from cuflash.bench import time_fn
 from cuflash.compile_report import parse_ptxas_log
 
 T = heuristics.Fa2Tiles
-# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages, min_blocks]); the first of each row is the
-# table's. History (bench/NOTES.md: "FA2 forward: static analysis", "Session 8: FA2 tile candidates", sessions
-# 11 to 13): one K and one V buffer (kv_stages=1) taken at d = 128 and 256 in session 11; three blocks per SM
-# at d = 128 (min_blocks=3) slower in session 12; each row's max and sum in 2 or 4 independent chains
-# (session 13) level with one chain once the table row was timed again last (its first reading at the 8k
-# non-causal shape was 4-9 % low: the repeat below catches that). The table rows are candidates here still,
+# (block_m, block_n, warps, compute_n, q_in_regs[, kv_stages]); the first of each row is the table's.
+# History (bench/NOTES.md: "FA2 forward: static analysis", "Session 8: FA2 tile candidates", sessions 11 to
+# 13): one K and one V buffer (kv_stages=1) taken at d = 128 and 256 in session 11; three blocks per SM at
+# d = 128 (a launch bound, since removed) slower in session 12; each row's max and sum in 2 or 4 independent
+# chains (session 13) level with one chain once the table row was timed again last (its first reading at the
+# 8k non-causal shape was 4-9 % low: the repeat below catches that). The table rows are candidates here still,
 # for the next idea to be measured against.
 CANDIDATES = {
     64: [T(128, 128, 4, 64, True)],
@@ -99,7 +99,7 @@ def main():
                     err = out_error(cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"), ref)
                     t = median_ms(lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa2"))
                     cfg = (f"({tiles.block_m},{tiles.block_n},{tiles.warps},{tiles.compute_n},{int(tiles.q_in_regs)}"
-                           f",{tiles.kv_stages},{tiles.min_blocks})")
+                           f",{tiles.kv_stages})")
                     print(f"d={d} N={n} causal={causal!s:5} {cfg} regs {regs} spill {spill}: fa2 {flops / t / 1e9:5.0f}"
                           f" TF/s | {line} | x{peers['FLASH_ATTENTION'] / t:.2f} vs flash | err {err:.1e}"
                           f"{' WRONG' if err > 0.1 else ''}", flush=True)

@@ -16,8 +16,8 @@
 // that cross a mask edge pay for per-element checks; tiles with nothing visible are never loaded.
 //
 // Compile-time constants (cuflash/fa2.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N,
-// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_KV_STAGES (1/2, default 2), CUFLASH_MIN_BLOCKS
-// (default 1), CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
+// CUFLASH_BLOCK_N_COMPUTE, CUFLASH_WARPS, CUFLASH_KV_STAGES (1/2, default 2),
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_ALIBI (0/1),
 // CUFLASH_DROPOUT (0/1: P is dropped after the row sums, so the softmax normalisation is the
 // undropped one, as in FlashAttention), CUFLASH_Q_REGS (0/1, default 0: Q fragments in registers).
 #include "common/mask.cuh"
@@ -32,9 +32,6 @@
 #endif
 #ifndef CUFLASH_KV_STAGES
 #define CUFLASH_KV_STAGES 2
-#endif
-#ifndef CUFLASH_MIN_BLOCKS
-#define CUFLASH_MIN_BLOCKS 1
 #endif
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -52,9 +49,6 @@ static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the b
 static_assert(MT * 16 * WARPS == BM && D % 16 == 0 && KN % 16 == 0 && BN % KN == 0,
               "tiles are made of 16x16 mma blocks");
 constexpr int KV_STAGES = CUFLASH_KV_STAGES;  // K / V buffers each: 2 = a ring, 1 = refilled as freed
-// Blocks per SM the registers must allow (__launch_bounds__): 3 caps a 128-thread block at 168 registers,
-// so small tiles can run 12 warps per SM where latency, not issue, bounds them.
-constexpr int MIN_BLOCKS = CUFLASH_MIN_BLOCKS;
 static_assert(KV_STAGES == 2 || (KV_STAGES == 1 && KN == BN), "one K/V buffer: the whole tile per step");
 
 struct Smem {
@@ -273,7 +267,7 @@ __device__ __forceinline__ void apply_dropout(Frag (&s)[MT][KN / 8], const Dropo
         }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) fa2_fwd(const Fa2FwdParams p) {
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
