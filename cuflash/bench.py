@@ -4,7 +4,8 @@ One run measures, on the same GPU and in the same process:
 
 * the ceilings: a bf16 dense matmul 8192^3 through cuBLAS (TFLOP/s) and a device-to-device copy of
   2 GiB (bytes read + written, TB/s);
-* every cuflash implementation usable on this GPU (``cuflash-fa1``, ``cuflash-fa2``, ...);
+* every cuflash implementation usable on this GPU (``cuflash-fa1``, ``cuflash-fa2``, ...); on request
+  (``--impls``) also ``cuflash-fa2-det`` / ``cuflash-fa3-det``, the backward in deterministic mode;
 * the peers found here: torch SDPA backends (``torch-flash``, ``torch-cudnn``, ``torch-efficient``,
   ``torch-math``), ``flash_attn``, ``flashinfer`` and the materialised ``naive`` attention.
 
@@ -417,11 +418,15 @@ class Timed(NamedTuple):
     note: str | None = None                 # goes to the row (how this implementation was fed or checked)
 
 
-def _cuflash_factory(impl: str):
+def _cuflash_factory(impl: str, deterministic: bool = False):
     def make(case: Case) -> Timed:
         from .api import flash_attn_backward, flash_attn_func
 
+        if deterministic and case.mode == "fwd":
+            raise ValueError("deterministic mode is a property of the backward (--suite backward)")
         kw = dict(causal=case.shape.causal, softmax_scale=case.scale, impl=impl)
+        if deterministic:
+            kw["deterministic"] = True
         if case.mode == "fwd":
             return Timed(lambda: (flash_attn_func(case.q, case.k, case.v, **kw),))
         out, lse = flash_attn_func(case.q, case.k, case.v, return_lse=True, **kw)
@@ -615,8 +620,13 @@ PEERS: dict[str, Callable[[Case], Timed]] = {
     "cudnn-fp8": _cudnn_fp8,
 }
 
-#: cuflash rows that are not ``flash_attn_func(..., impl=<name>)`` on the case's inputs.
-CUFLASH_FACTORIES: dict[str, Callable[[Case], Timed]] = {"cuflash-fa3-fp8": _cuflash_fp8}
+#: cuflash rows that are not ``flash_attn_func(..., impl=<name>)`` on the case's inputs; ``-det``: the
+#: backward in deterministic mode (bit-identical gradients), only when asked for with --impls.
+CUFLASH_FACTORIES: dict[str, Callable[[Case], Timed]] = {
+    "cuflash-fa3-fp8": _cuflash_fp8,
+    "cuflash-fa2-det": _cuflash_factory("fa2", deterministic=True),
+    "cuflash-fa3-det": _cuflash_factory("fa3", deterministic=True),
+}
 
 
 def factory_for(name: str) -> Callable[[Case], Timed]:

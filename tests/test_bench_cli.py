@@ -607,6 +607,33 @@ def test_fp8_impl_names():
             bench.factory_for(impl)(FakeCase(shape()))
 
 
+def test_deterministic_backward_impls(monkeypatch):
+    """fa3-det / fa2-det: the backward with deterministic=True, named only on request (the default list
+    keeps one row per kernel family); a forward suite refuses them with the reason."""
+    import cuflash.api
+
+    c = cfg("--suite", "backward", "--impls", "fa3,fa3-det,fa2-det")
+    assert c.impls == ["cuflash-fa3", "cuflash-fa3-det", "cuflash-fa2-det"]
+    monkeypatch.setattr(cuflash.api, "available_impls", lambda direction=None: ["fa1", "fa2", "fa3"])
+    monkeypatch.setattr(bench, "detect_peers", lambda: ["naive"])
+    assert not any(i.endswith("-det") for i in bench.default_impls("backward"))
+    with pytest.raises(ValueError, match="--suite backward"):
+        bench.factory_for("cuflash-fa3-det")(FakeCase(shape()))
+    calls = []
+
+    class Case(FakeCase):
+        q = k = v = dout = "x"
+        scale = 0.125
+
+    monkeypatch.setattr(cuflash.api, "flash_attn_func", lambda *a, **kw: ("out", "lse"))
+    monkeypatch.setattr(cuflash.api, "flash_attn_backward", lambda *a, **kw: calls.append(kw) or ("dq", "dk", "dv"))
+    for name, impl in (("cuflash-fa3-det", "fa3"), ("cuflash-fa2-det", "fa2")):
+        bench.factory_for(name)(Case(shape(), mode="bwd")).fn()
+        assert calls[-1]["deterministic"] is True and calls[-1]["impl"] == impl
+    bench.factory_for("cuflash-fa3")(Case(shape(), mode="bwd")).fn()
+    assert "deterministic" not in calls[-1]
+
+
 def test_fp8_default_impls(monkeypatch):
     import cuflash.api
 
