@@ -14,6 +14,7 @@ memory only, with one warning.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -157,8 +158,6 @@ def _get_cubin(prog: int) -> bytes:
     ``cupy.cuda.nvrtc.getCUBIN`` (CuPy 14) drops the last byte as if it were a string terminator,
     which leaves an ELF that nvdisasm rejects; ask the library CuPy loaded directly instead.
     """
-    import ctypes
-
     lib = _libnvrtc()
     size = ctypes.c_size_t()
     if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) != 0:
@@ -175,8 +174,6 @@ _libnvrtc_handle = None
 def _libnvrtc():
     global _libnvrtc_handle
     if _libnvrtc_handle is None:
-        import ctypes
-
         from cupy.cuda import nvrtc
 
         nvrtc.getVersion()  # makes CuPy load its libnvrtc
@@ -358,3 +355,86 @@ def launch(variant: Variant, grid: tuple[int, ...], args, stream) -> None:
     fn = get_function(variant)
     ptrs = [CPointer(a.ctypes.data) if isinstance(a, numpy.ndarray) else a for a in args]
     fn(grid, (variant.threads,), ptrs, shared_mem=variant.smem_bytes, stream=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# programmatic dependent launch (sm_90+)
+#
+# CuPy launches through cuLaunchKernel, which takes no launch attributes, so this one launch goes to the
+# driver's cuLaunchKernelEx through ctypes. Mirrors of cuda.h (CUDA 12 / 13, 64-bit; sizes and offsets
+# pinned in tests/test_launch_dependent.py). Only the one attribute value used here is named in the
+# union. In C the union is 8-byte aligned (other members hold pointers) and cuda.h pads the 4-byte id to
+# 8 for it; the same explicit pad puts the value at offset 8 here, so an attribute is 72 bytes either way.
+
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class CUlaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
+class CUlaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", CUlaunchAttributeValue)]
+
+
+class CUlaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(CUlaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_libcuda_handle = None
+
+
+def _libcuda():
+    """The CUDA driver (the library CuPy's runtime already uses), with the two entry points typed."""
+    global _libcuda_handle
+    if _libcuda_handle is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
+        lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorName.restype = ctypes.c_int
+        _libcuda_handle = lib
+    return _libcuda_handle
+
+
+def launch_dependent(variant: Variant, grid: tuple[int, ...], args, stream) -> None:
+    """Launch ``variant`` like :func:`launch`, as the programmatic dependent of the kernel launched before
+    it on ``stream`` (the programmatic-stream-serialisation attribute): its blocks may start once every
+    block of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited), so its launch
+    overlaps that kernel's run; it must execute ``griddepcontrol.wait`` (grid_dependency_wait() in
+    common/ptx.cuh) before it reads anything that kernel writes. Under stream capture this becomes a
+    programmatic edge of the graph.
+
+    ``args`` are numpy arrays (params structs), passed by pointer like :func:`launch` does. Below sm_90,
+    which has no griddepcontrol, this is :func:`launch`.
+    """
+    import numpy
+
+    from ._device import compute_capability, device_id
+
+    if compute_capability(device_id()) < (9, 0):
+        launch(variant, grid, args, stream)
+        return
+    if not all(isinstance(a, numpy.ndarray) for a in args):
+        raise TypeError("launch_dependent takes numpy arrays (params structs) as kernel arguments")
+    fn = get_function(variant)
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmaticStreamSerializationAllowed = 1
+    if stream is None:
+        import cupy
+
+        stream = cupy.cuda.get_current_stream()
+    config = CUlaunchConfig(gx, gy, gz, variant.threads, 1, 1, variant.smem_bytes, stream.ptr,
+                            ctypes.pointer(attr), 1)
+    params = (ctypes.c_void_p * len(args))(*(a.ctypes.data for a in args))
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn.ptr, params, None)
+    if err:
+        name = ctypes.c_char_p()
+        _libcuda().cuGetErrorName(err, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx of {variant.name} failed: "
+                           f"{(name.value or b'unknown CUresult').decode()} ({err})")

@@ -1,4 +1,5 @@
-// Ampere-generation warp-level building blocks: mma.sync m16n8k16, ldmatrix, cp.async.
+// Ampere-generation warp-level building blocks: mma.sync m16n8k16, ldmatrix, cp.async; and the
+// programmatic-dependent-launch controls, which compile to nothing below sm_90.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4*g + t, g = lane/4 "group", t = lane%4):
 //   A (16x16, row-major): a[0] = (g,   2t..2t+1)  a[1] = (g+8, 2t..)  a[2] = (g, 2t+8..)  a[3] = (g+8, 2t+8..)
@@ -107,4 +108,23 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
+}
+
+// Programmatic dependent launch (sm_90+; no-ops below, where the launcher never asks for it). A grid
+// launched with the programmatic-stream-serialisation attribute after this one (cuflash._jit.launch_dependent)
+// may start launching once every block of this grid has executed grid_dependents_launch() or exited:
+// its blocks become resident and run their prologue while this grid still runs. That is all it allows;
+// it publishes no data.
+__device__ __forceinline__ void grid_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Blocks until every prerequisite grid has completed and its memory operations are visible to this
+// one, wherever those grids executed grid_dependents_launch(). Returns at once in a grid launched
+// without the attribute (its prerequisites completed before it started).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }

@@ -6,8 +6,13 @@
 // splits' loads in flight at once). A
 // split with lse -inf has weight 0 and its partial row is never read (it may hold anything); a row with
 // every split at -inf gives out 0 and lse -inf.
+// After decode/fwd.cu on sm_90+ this kernel is launched as the split kernel's programmatic dependent
+// (cuflash.decode.forward): its blocks may be resident before the partials are written, and wait for
+// them in grid_dependency_wait(), which returns at once when it was launched normally
+// (cuflash.flash_attn_combine).
 // Compile-time constant: CUFLASH_OUT_DTYPE (0 bf16, 1 fp16, 2 fp32). Head dim and split count are
 // run-time values (any).
+#include "common/ptx.cuh"
 #include "common/types.cuh"
 
 struct CombineParams {
@@ -55,6 +60,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) attn_combine(const
     const int b = int(row / (i64(p.heads) * p.seqlen));
     const float* lse_s = p.lse_partial + b * p.lp_batch_stride + h * p.lp_head_stride + i * p.lp_row_stride;
     const float* o_s = p.o_partial + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
+    grid_dependency_wait();  // the split kernel has completed: its partials are written and visible
 
     float mx = neg_inf();
     for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_s[s * p.lp_split_stride]);

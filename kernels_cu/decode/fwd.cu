@@ -15,7 +15,8 @@
 //     S (16 x 16) = Q K^T on mma.sync m16n8k16 (fp32 accumulation), mask, exp2 with the scale folded
 //     into one multiply, O (16 x D) += P V with P straight from the S registers;
 //   - after the loop the 4 warps' (max, sum, O) are merged through shared memory (the drained ring).
-// One split writes O (input dtype) and LSE; several write fp32 partials that decode/combine.cu merges.
+// One split writes O (input dtype) and LSE; several write fp32 partials that decode/combine.cu merges,
+// launched on sm_90+ as this kernel's programmatic dependent (see grid_dependents_launch() below).
 // Every tile gets the per-element mask (key < keys of the entry, causal / window bottom-right): the kernel
 // is memory-bound and the compare is free next to the loads.
 //
@@ -167,6 +168,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_fwd(const Decode
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
     __shared__ float warp_max[WARPS][BM], warp_sum[WARPS][BM];
+    // With several splits the combine is launched as this grid's programmatic dependent (sm_90+): it may
+    // become resident as soon as every block of this grid has passed here, i.e. once the whole grid is on
+    // the SMs, so it takes no slot from a block of this grid, and its launch hides behind this grid's
+    // work instead of following it. It reads the partials only after griddepcontrol.wait, which waits
+    // for this grid to complete: the trigger's place does not matter for correctness.
+    grid_dependents_launch();
 
     const int split = blockIdx.x % p.num_splits, m_block = blockIdx.x / p.num_splits;
     const int kv_head = blockIdx.y, b = blockIdx.z;
