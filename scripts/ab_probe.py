@@ -20,8 +20,10 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
   bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
+  bwd-convert  FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: dQ converted in the kernel (as
+             built), by the separate pass, and the deterministic mode (issue 5: within 15 % of the default)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-convert] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -217,6 +219,45 @@ def bwd_dq(rounds, reps):
         interleaved(f"fa3 backward d={d} N=8k", configs, call, flops, rounds, reps)
 
 
+@contextmanager
+def dq_conversion_pass():
+    """The FA3 backward with common/bwd_aux.cu's conversion pass even where the kernel could convert dQ."""
+    saved = fa3.converts_dq_in_kernel
+    fa3.converts_dq_in_kernel = lambda *args: False
+    try:
+        yield
+    finally:
+        fa3.converts_dq_in_kernel = saved
+
+
+def bwd_convert(rounds, reps):
+    import cuflash
+
+    for d in (64, 128):
+        for n in (2048, 8192):
+            b, h = 16384 // n, 2048 // d
+            q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+                           for _ in range(4))
+            for causal in (False, True):
+                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                mode = {}
+
+                @contextmanager
+                def deterministic():
+                    mode["deterministic"] = True
+                    yield
+                    mode.clear()
+
+                def call():
+                    kw = dict(causal=causal, impl="fa3", deterministic=mode.get("deterministic", False))
+                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, **kw)
+
+                configs = {"dQ in kernel": as_is, "conversion pass": dq_conversion_pass,
+                           "deterministic": deterministic}
+                interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -229,7 +270,8 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq}
+            "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "bwd-convert": bwd_convert}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
