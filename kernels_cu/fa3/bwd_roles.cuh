@@ -187,8 +187,9 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
     };
     // (CONVERT: one pass more, k = tiles, which only counts the last tile, in a buffer nothing stages into any
     // more)
+    const int passes = CONVERT && p.dq_done ? tiles + 1 : tiles;
 #pragma unroll 1
-    for (int k = 0; k < tiles || (CONVERT && p.dq_done && k == tiles); ++k) {  // (no pass count: a register)
+    for (int k = 0; k < passes; ++k) {
         const int s = k % DQ_STAGES;
         if (k < tiles) mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
         if (lane == 0 && k < tiles) {
