@@ -23,7 +23,7 @@ PARAMS = np.dtype(
     pointer_fields("o", "dout", "dq_accum", "dq", "dsum") + stride_fields("o", "do", "dq")
     + [("batch", np.int32), ("heads", np.int32), ("seqlen_q", np.int32), ("scale", np.float32)]
     + pointer_fields("lse", "lse_rows") + [("row_pitch", np.int64)] + pointer_fields("cu_seqlens_q")
-    + [("varlen_batch", np.int32)] + pointer_fields("dq_done") + [("dq_atoms", np.int32)],
+    + [("varlen_batch", np.int32)],
     align=True,
 )
 
@@ -38,7 +38,7 @@ def all_variants(headdims) -> list[Variant]:
 
 
 def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None, row_pitch=None, cu_seqlens_q=None,
-            varlen_batch=0, dq_done=None):
+            varlen_batch=0):
     p = np.zeros(1, PARAMS)
     for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
         p[name] = a.data.ptr
@@ -50,8 +50,6 @@ def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None,
         p["lse"], p["lse_rows"] = lse.data.ptr, lse_rows.data.ptr
     if cu_seqlens_q is not None:
         p["cu_seqlens_q"], p["varlen_batch"] = cu_seqlens_q.data.ptr, varlen_batch
-    if dq_done is not None:
-        p["dq_done"], p["dq_atoms"] = dq_done.data.ptr, dq_done.shape[-1]
     return p
 
 
@@ -67,15 +65,13 @@ def _launch(kernel, p, dims, stream):
 
 
 def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, lse=None, lse_rows=None,
-               row_pitch=None, cu_seqlens_q=None, varlen_batch=0, dq_done=None) -> None:
+               row_pitch=None, cu_seqlens_q=None, varlen_batch=0) -> None:
     """dsum = rowsum(dout * out); dq_accum = 0. dsum is (batch, heads, row_pitch) (default pitch:
     seqlen_q); with ``lse_rows``, the contiguous (batch, heads, seqlen_q) ``lse`` is copied into it in
     dsum's layout. Entries past seqlen_q of each row are not written. ``cu_seqlens_q`` (packed rows as
     one batch entry, with ``lse_rows``): each sequence's rows go to their 64-aligned place of the head's
-    padded row (kernels_cu/common/bwd_aux.cu). ``dq_done`` (fixed length): the FA3 backward's int32 counters
-    (batch, heads, ceil(seqlen_q / 64), dQ atoms), zeroed too."""
-    p = _params(out, dout, dq, dq_accum, dsum, dims, scale, lse, lse_rows, row_pitch, cu_seqlens_q, varlen_batch,
-                dq_done)
+    padded row (kernels_cu/common/bwd_aux.cu)."""
+    p = _params(out, dout, dq, dq_accum, dsum, dims, scale, lse, lse_rows, row_pitch, cu_seqlens_q, varlen_batch)
     _launch("bwd_preprocess", p, dims, stream)
 
 

@@ -6,7 +6,6 @@ layout, so any strides that TMA accepts (16-byte aligned) work without copies.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -140,12 +139,10 @@ BWD_PARAMS = np.dtype(
     pointer_fields("cu_seqlens_q", "cu_seqlens_k", "dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
-    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32)]
-    + pointer_fields("dq_done", "dq_accum", "dq") + stride_fields("dq"),
+    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32)],
     align=True,
 )
 BWD_BLOCK_M = 64
-DQ_TILE_BYTES = 9 * 4  # fa3/bwd_roles.cuh: DqTile
 
 
 def bwd_block_n(headdim: int) -> int:
@@ -161,8 +158,7 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         bn, cols = bwd_block_n(headdim), 256
         kv_bytes, qd_bytes, pds_bytes = bn * cols * 2, BWD_BLOCK_M * cols * 2, bn * BWD_BLOCK_M * 2
         dq_bytes = 2 * BWD_BLOCK_M * (cols // 2) * 4  # per consumer: its 128 columns of dQ in fp32
-        records = 2 * 2 * DQ_TILE_BYTES  # bwd_wide.cu: two per consumer
-        smem = 2 * kv_bytes + 2 * qd_bytes + 2 * pds_bytes + dq_bytes + 2 * BWD_BLOCK_M * 4 + records + 8 * 7
+        smem = 2 * kv_bytes + 2 * qd_bytes + 2 * pds_bytes + dq_bytes + 2 * BWD_BLOCK_M * 4 + 2 * 2 * 5 * 4 + 8 * 7
         smem += 2048  # + 1 KB alignment slack
         return Variant(FAMILY, "fa3/bwd_wide.cu", "fa3_bwd_wide", defines + (("CUFLASH_SMEM_BYTES", smem),),
                        threads=THREADS, smem_bytes=smem)
@@ -171,8 +167,8 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     # per consumer: two 64-column fp32 atoms of dQ staged for its writer's reduce-adds
     dq_bytes = 2 * 2 * BWD_BLOCK_M * 64 * 4
     lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
-    records = 2 * 5 * DQ_TILE_BYTES  # where each staged dQ tile goes, five per consumer (bwd.cu: DQ_TILE_SLOTS)
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + records + 8 * 15 + 2048  # + barriers
+    records = 2 * 4 * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
+    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + records + 8 * 13 + 2048  # + barriers
     return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd", defines + (("CUFLASH_SMEM_BYTES", smem),), threads=THREADS,
                    smem_bytes=smem)
 
@@ -359,16 +355,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     rows = cupy.empty((2, total), dtype=cupy.float32)
     lse_rows, dsum_rows = rows[0], rows[1]
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
-    # per (batch, head, Q block, dQ atom): deterministic mode's turns, the in-kernel conversion's counts
-    counters = (dims.batch, dims.heads, q_pitch // BWD_BLOCK_M, -(-dims.headdim // 64))
-    in_kernel = converts_dq_in_kernel(window, dims, varlen)
-    if (deterministic or in_kernel) and math.prod(counters) >= 2 ** 31:
-        raise ValueError(f"the FA3 backward's dQ counters (deterministic mode, in-kernel conversion) take 32-bit "
-                         f"indices: batch x heads x Q blocks x dQ atoms must be below 2^31; got "
-                         f"{' x '.join(map(str, counters))}")
-    dq_done = cupy.empty(counters, dtype=cupy.int32) if in_kernel else None  # (zeroed by the preprocess)
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, dq_done=dq_done)
+                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen)
     block_n = bwd_block_n(dims.headdim)
     maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, block_n), _tensor_map(v, block_n),
@@ -378,11 +366,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     if varlen:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
-        semaphore = cupy.zeros(counters, dtype=cupy.int32)
+        atoms = -(-dims.headdim // 64)
+        if dims.batch * dims.heads * (q_pitch // BWD_BLOCK_M) * atoms >= 2 ** 31:
+            raise ValueError(f"deterministic FA3 backward: batch x heads x Q blocks x dQ atoms must be below 2^31 "
+                             f"(32-bit counter indices); got {dims.batch} x {dims.heads} x "
+                             f"{q_pitch // BWD_BLOCK_M} x {atoms}")
+        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
-    if dq_done is not None:
-        p["dq_done"], p["dq_accum"], p["dq"] = dq_done.data.ptr, dq_accum.data.ptr, dq.data.ptr
-        fill_strides(p, "dq", dq)
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
     p["row_batch_stride"], p["row_head_stride"] = (0 if varlen else dims.heads * pitch), pitch
@@ -396,21 +386,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
     p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
     launch(variant, grid, (*maps, p), stream)
-    if dq_done is None:
-        _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
-
-
-def converts_dq_in_kernel(window, dims: Dims, varlen: bool) -> bool:
-    """Whether the backward kernel converts dQ itself (bwd.cu: the last writer of each dQ tile does) instead of
-    common/bwd_aux.cu's pass after it: head dims up to 128 (bwd.cu), fixed-length batches (a packed batch's
-    tiles straddle sequences), and only when every 64-row Q block has a row that sees some key, since a tile
-    no K block adds to is never converted. The rows without keys are the first seqlen_q - seqlen_k - right
-    (bottom-right alignment: row i sees keys up to i + seqlen_k - seqlen_q + right), so that holds when
-    there are keys and fewer such rows than Q block 0 has. ``window`` as the kernels take it (left, right)."""
-    if varlen or dims.headdim > 128 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
-        return False
-    keyless_rows = dims.seqlen_q - dims.seqlen_k - window[1]
-    return keyless_rows < min(BWD_BLOCK_M, dims.seqlen_q)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
 
 
 def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:

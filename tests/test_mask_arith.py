@@ -568,30 +568,3 @@ def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, True, (-1, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (256, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (-1, 0)), dims, 32, 132)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_in_kernel_dq_conversion_only_where_every_q_block_is_touched(causal):
-    """cuflash.fa3.converts_dq_in_kernel: the FA3 backward converts a dQ tile when the last K block's add to it
-    lands, so a 64-row Q block that no row's key reaches would never be written. The host rule must say yes
-    exactly when every Q block has a row that sees some key (brute force over the visibility matrix), and
-    never for packed batches or head dims above 128."""
-    from cuflash import fa3
-    from cuflash._validate import Dims
-
-    checked = 0
-    for sq in (1, 2, 63, 64, 65, 127, 128, 130, 200):
-        for sk in (0, 1, 2, 63, 64, 65, 129, 200):
-            for window in ((-1, -1), (0, 0), (3, -1), (-1, 5), (10, 2), (0, 70)):
-                left, right = kernel_window(sq, sk, causal, window)
-                dims = Dims(1, sq, sk, 1, 1, 64, "bfloat16")
-                visible = ref.mask_matrix(sq, sk, causal=causal, window_size=window) if sk else np.zeros((sq, 0), bool)
-                blocks = [visible[m:m + 64].any() for m in range(0, sq, 64)]
-                want = sk > 0 and all(blocks)
-                got = fa3.converts_dq_in_kernel((left, right), dims, varlen=False)
-                assert got == want, _describe(sq, sk, causal, window)
-                assert not fa3.converts_dq_in_kernel((left, right), dims, varlen=True)
-                checked += 1
-    big = Dims(1, 256, 256, 1, 1, 192, "bfloat16")
-    assert not fa3.converts_dq_in_kernel(kernel_window(256, 256, causal, (-1, -1)), big, varlen=False)
-    assert checked == 9 * 8 * 6

@@ -1,7 +1,6 @@
 // The two small passes around every attention backward, a group of lanes per (batch, head, row), one
 // 16-byte chunk of the row per lane (a warp per row left 3/4 of its lanes idle at d = 64):
-//   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator (and the FA3
-//                   backward's dQ counters, when dq_done is set); D (and, when
+//   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
 //                   lse_rows is set, the forward's LSE in log2 units) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
 //   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
@@ -30,10 +29,6 @@ struct BwdAuxParams {
     // written.
     const int* cu_seqlens_q;
     int varlen_batch;
-    // null, or the FA3 backward's per-(batch, head, 64-row Q block, dQ atom) counts of landed dQ adds (fixed
-    // length only), zeroed here: the first lanes of each block's first row zero its dq_atoms counters
-    int* dq_done;
-    int dq_atoms;
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -66,10 +61,6 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
     const RowChunk rc(p);
     const int b = rc.b, h = rc.h, i = rc.i;
     float acc = 0.f;
-    if (p.dq_done && rc.in_rows && i % 64 == 0 && rc.chunk < p.dq_atoms) {
-        const int q_blocks = (p.seqlen_q + 63) / 64;
-        p.dq_done[((b * p.heads + h) * q_blocks + i / 64) * p.dq_atoms + rc.chunk] = 0;
-    }
     if (rc.active()) {
         const int c = rc.chunk * 8;
         const uint4 o = *reinterpret_cast<const uint4*>(p.o + b * p.o_batch_stride + i * p.o_row_stride +

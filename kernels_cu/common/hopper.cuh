@@ -67,13 +67,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64
         "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
-__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
-            smem_u32(dst)),
-        "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
-        : "memory");
-}
 __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64* bar, int c0, int c1) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
@@ -109,8 +102,6 @@ __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.b
 // Wait until the committed stores/reductions have been performed in global memory, not just read from
 // shared memory (before telling another thread block they are there).
 __device__ __forceinline__ void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-// Every committed store / reduce group but the most recent one has completed.
-__device__ __forceinline__ void tma_store_wait_prior() { asm volatile("cp.async.bulk.wait_group 1;" ::: "memory"); }
 // Order this thread's generic-proxy global accesses with its async-proxy (TMA) ones.
 __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 

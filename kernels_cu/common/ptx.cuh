@@ -102,13 +102,6 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// Adds v and returns the old value; releases this thread's earlier writes and acquires those released by
-// the earlier adds (the last of several adders sees every one's data).
-__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    return old;
-}
 
 // Programmatic dependent launch (sm_90+; no-ops below, where the launcher never asks for it). A grid
 // launched with the programmatic-stream-serialisation attribute after this one (cuflash._jit.launch_dependent)

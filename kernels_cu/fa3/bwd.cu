@@ -61,9 +61,7 @@ constexpr int CONSUMER_WARPS = 8;
 // that in total made the consumers' setmaxnreg wait forever (a hang, not an error).
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 constexpr int DQ_STAGES = 2;  // dQ tiles per consumer in flight to its writer
-// Their DqTile records, written a step ahead of the tile and read by the writer until it has counted the tile
-// (bwd_roles.cuh: write_dq_tiles).
-constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES + 1;
+constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;  // their DqTile records (written a step ahead of the tile)
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = 64 * BM * 2;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
@@ -84,7 +82,6 @@ struct Smem {
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
     u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];  // per consumer: its staged dQ tiles, to and from its writer
     DqTile dq_tile[2][DQ_TILE_SLOTS];                   // where each staged tile goes
-    u64 dq_conv[2];  // per writer: a summed dQ tile loaded back for the in-kernel conversion (write_dq_tiles)
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
@@ -131,11 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // setmaxnreg (ptxas spilled them when they lived across it).
     int m_lo, m_hi;
 
-    if (threadIdx.x == 0) {
-        mbar_init(&sm.dq_conv[0], 1);
-        mbar_init(&sm.dq_conv[1], 1);
-        init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);  // (its fence covers dq_conv too)
-    }
+    if (threadIdx.x == 0) init_bwd_barriers<STAGES, DQ_STAGES, CONSUMER_WARPS>(sm);
     __syncthreads();
 
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
@@ -144,16 +137,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
         const int warp = threadIdx.x / 32;
-        if (warp > 2 || m_lo == m_hi) return;
+        if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
         if (warp == 0) {
-            if (threadIdx.x == 0)
-                load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
-                                                                    &map_dsum, p, seq, batch, kv_head, group, n_block,
-                                                                    m_lo, m_hi);
-        } else {  // the dQ writer of consumer warp - 1 (the whole warp: it may convert tiles): its tiles (dq_atom)
+            load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
+                                                                &map_dsum, p, seq, batch, kv_head, group, n_block,
+                                                                m_lo, m_hi);
+        } else {  // the dQ writer of consumer warp - 1: its tiles (dq_atom)
             const int c = warp - 1, steps = group * (m_hi - m_lo);
-            write_dq_tiles<D, 2, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS, true>(
-                sm, &map_dq, p, c, ATOMS == 2 ? steps : (steps + 1 - c) / 2);
+            write_dq_tiles<D, 2, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, c,
+                                                                         ATOMS == 2 ? steps : (steps + 1 - c) / 2);
         }
         return;
     }
@@ -193,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 tile.col = a * 64;
                 tile.row = seq.q_start + m * BM;
                 tile.head = VARLEN ? h : batch * p.heads + h;
-                if (p.dq_semaphore || p.dq_done) dq_tile_counters<BM, BN>(tile, p, mask, n_block, batch, h, m, a, ATOMS);
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, a, ATOMS);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             // The block's LSE and D columns are read before S^T and dP^T are issued: the wgmma waits order

@@ -25,21 +25,17 @@
 
 // Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
 // it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
-// mode: the value of the tile's counter (p.dq_semaphore[flag]) that makes it this block's turn. With the
-// in-kernel conversion (p.dq_done): how many K blocks add to the tile, its rows below seqlen_q, its batch
-// entry and query head.
+// mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
 struct DqTile {
     int col, row, head, flag, turn;
-    int adders, rows, batch, qh;
 };
 
-// The counter index of Q block m's dQ part `part` (of `parts` per block; head h), for deterministic mode's
-// turns and the in-kernel conversion's counts, and what each needs: the K blocks that touch the Q block add
-// in descending block order, or in the rotated order (common/dq_order.cuh; every K block of the sequence
-// touches every Q block then); the conversion waits for all of them.
+// Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
+// that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order,
+// or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q block then).
 template <int BM, int BN>
-__device__ __forceinline__ void dq_tile_counters(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block,
-                                                 int batch, int h, int m, int part, int parts) {
+__device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
+                                        int h, int m, int part, int parts) {
     const int q_blocks = (p.seqlen_q + BM - 1) / BM;
     int n_first, n_end;
     mask.kv_block_range<BM, BN>(m, n_first, n_end);
@@ -47,10 +43,6 @@ __device__ __forceinline__ void dq_tile_counters(DqTile& tile, const Fa3BwdParam
     tile.turn = p.rotate_q_blocks
                     ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + BM - 1) / BM)
                     : n_end - 1 - n_block;
-    tile.adders = n_end - n_first;
-    tile.rows = min(BM, p.seqlen_q - m * BM);
-    tile.batch = batch;
-    tile.qh = h;
 }
 
 // The Q block K block n_block visits at step i of its walk over [m_lo, m_hi) (rotated or upwards).
@@ -124,111 +116,44 @@ __device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* 
     }
 }
 
-// dq = scale * the summed dQ tile `tile`, loaded into `staged` as the consumers stage theirs (boxes of 64
-// rows x 32 fp32 columns, 16-byte chunk j of row r at j ^ (r % 8)), for its rows below seqlen_q and columns
-// below D: a 16-byte chunk per lane, two rows per pass, 8-byte stores.
-template <int D, int BOX_BYTES>
-__device__ __forceinline__ void convert_staged_dq(const Fa3BwdParams& p, const DqTile& tile,
-                                                  const unsigned char* staged, int lane) {
-    const int chunk = lane % 16, box = chunk / 8, col = tile.col + 4 * chunk;
-    if (col >= D) return;
-    const int r0 = lane / 16;  // lanes 0-15 take the even rows, 16-31 the odd ones
-    u16* dst = p.dq + tile.batch * p.dq_batch_stride + tile.qh * p.dq_head_stride +
-               i64(tile.row + r0) * p.dq_row_stride + col;
-    const i64 step = 2 * p.dq_row_stride;
-    const unsigned char* src = staged + box * BOX_BYTES;
-#pragma unroll 1
-    for (int r = r0; r < tile.rows; r += 2, dst += step) {
-        const float4 x = *reinterpret_cast<const float4*>(src + r * 128 + (((chunk % 8) ^ (r % 8)) * 16));
-        *reinterpret_cast<uint2*>(dst) = make_uint2(elem_t::pack2(x.x * p.scale, x.y * p.scale),
-                                                    elem_t::pack2(x.z * p.scale, x.w * p.scale));
-    }
-}
-
-// The dQ writer of consumer c: its `tiles` staged tiles in order, each BOXES boxes of 64 rows x 32 fp32
-// columns (BOX_BYTES apart), where the tile's record says, boxes at or past column D (padding) left out.
-// Deterministic mode: waits for the tile's turn, and after the add has landed passes the turn on.
-// CONVERT (bwd.cu; the whole warp runs the loop, lane 0 issues): with p.dq_done set the writers also
-// convert dQ. Once tile k's add has been issued and its buffer read, tile k - 1's add (which had tile k's
-// staging to land) is waited for and counted on the tile's counter; the add that completes the count is the
-// last one, and its warp loads the summed tile back into the buffer tile k just left (TMA, sm.dq_conv[c]),
-// converts it (convert_staged_dq) and only then frees the buffer, which the consumer needs again two tiles
-// later. (Tile k - 1's record is still in place then: the consumer reuses a slot DQ_TILE_SLOTS tiles later
-// and must have staged DQ_TILE_SLOTS - 1 tiles past it first, which needs this writer past tile k.)
-template <int D, int BOXES, int BOX_BYTES, int DQ_STAGES, int DQ_TILE_SLOTS, bool CONVERT, class Smem>
+// The dQ writer of consumer c (one thread): its `tiles` staged tiles in order, each BOXES boxes of 64 rows
+// x 32 fp32 columns (BOX_BYTES apart), where the tile's record says, boxes at or past column D (padding)
+// left out. Deterministic mode: waits for the tile's turn, and after the add has landed passes the turn on.
+template <int D, int BOXES, int BOX_BYTES, int DQ_STAGES, int DQ_TILE_SLOTS, class Smem>
 __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq, const Fa3BwdParams& p, int c,
                                                int tiles) {
-    static_assert(!CONVERT || DQ_TILE_SLOTS >= 2 * DQ_STAGES + 1, "a tile's record outlives its counting");
-    const int lane = CONVERT ? threadIdx.x % 32 : 0;
-    int conversions = 0;  // this writer's, for the phase of sm.dq_conv[c]
-    // Tile j's add has landed (the caller waited): count it; its last adder converts it in buffer s.
-    auto count_and_convert = [&](int j, int s) {
-        if constexpr (CONVERT) {
-            const DqTile& tile = sm.dq_tile[c][j % DQ_TILE_SLOTS];
-            int last = 0;
-            if (lane == 0) {
-                fence_async_global();  // the add (async proxy) before the count
-                last = atom_add_acq_rel(p.dq_done + tile.flag, 1) == tile.adders - 1;
-                if (last) {  // (boxes at or past column D, d = 96's padding, are neither added nor loaded)
-                    fence_async_global();  // every adder's sums (acquired) before the load (async proxy)
-                    const int boxes = min(BOXES, (D - tile.col + 31) / 32);
-                    mbar_arrive_expect_tx(&sm.dq_conv[c], boxes * BOX_BYTES);
-                    for (int box = 0; box < boxes; ++box)
-                        tma_load_3d(sm.dq[c][s] + box * BOX_BYTES, map_dq, &sm.dq_conv[c], tile.col + box * 32,
-                                    tile.row, tile.head);
-                }
-            }
-            if (__shfl_sync(0xffffffffu, last, 0)) {
-                mbar_wait(&sm.dq_conv[c], conversions++ & 1);
-                convert_staged_dq<D, BOX_BYTES>(p, tile, sm.dq[c][s], lane);
-                __syncwarp();  // every lane is done with the buffer
-            }
-        }
-    };
-    // (CONVERT: one pass more, k = tiles, which only counts the last tile, in a buffer nothing stages into any
-    // more)
-    const int passes = CONVERT && p.dq_done ? tiles + 1 : tiles;
 #pragma unroll 1
-    for (int k = 0; k < passes; ++k) {
+    for (int k = 0; k < tiles; ++k) {
         const int s = k % DQ_STAGES;
-        if (k < tiles) mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
-        if (lane == 0 && k < tiles) {
-            const DqTile& tile = sm.dq_tile[c][k % DQ_TILE_SLOTS];
-            int* flag = nullptr;
-            int turn = 0;
-            if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
-                flag = p.dq_semaphore + tile.flag;
-                turn = tile.turn;
-                while (ld_acquire(flag) != turn) {
-                }
-                fence_async_global();  // the reduce below comes after the acquire
+        mbar_wait(&sm.dq_full[c][s], (k / DQ_STAGES) & 1);
+        const DqTile& tile = sm.dq_tile[c][k % DQ_TILE_SLOTS];
+        int* flag = nullptr;
+        int turn = 0;
+        if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
+            flag = p.dq_semaphore + tile.flag;
+            turn = tile.turn;
+            while (ld_acquire(flag) != turn) {
             }
-            // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past seqlen_q
-            // fall out of bounds instead of into the next head. Packed batches: (D, total_q, heads); rows past
-            // the sequence are the next sequence's and get exact zeros (P is 0 for them), which leave those
-            // sums as they are.
+            fence_async_global();  // the reduce below comes after the acquire
+        }
+        // One reduce-add per box into dq_accum viewed as (D, seqlen_q, batch x heads): rows past seqlen_q
+        // fall out of bounds instead of into the next head. Packed batches: (D, total_q, heads); rows past
+        // the sequence are the next sequence's and get exact zeros (P is 0 for them), which leave those
+        // sums as they are.
 #pragma unroll
-            for (int box = 0; box < BOXES; ++box)
-                // (padded head dims: the padding's boxes are not added. CUFLASH_PROBE_NO_DQ_ADD: a timing
-                // probe, scripts/ab_probe.py, that leaves the adds out to measure what they cost; dQ is then
-                // wrong)
-                if (tile.col + box * 32 < D && !CUFLASH_PROBE_NO_DQ_ADD)
-                    tma_reduce_add_3d(map_dq, sm.dq[c][s] + box * BOX_BYTES, tile.col + box * 32, tile.row, tile.head);
-            tma_store_commit();
-            tma_store_wait_read();  // TMA has read the tile: the buffer is free
-            if (p.dq_semaphore) {
-                tma_store_wait_all();  // the adds are in global memory ...
-                fence_async_global();
-                st_release(flag, turn + 1);  // ... before the next K block may add
-            } else if (CONVERT && p.dq_done) {
-                tma_store_wait_prior();  // tile k - 1's adds have landed (tile k's may still run)
-            }
+        for (int box = 0; box < BOXES; ++box)
+            // (padded head dims: the padding's boxes are not added. CUFLASH_PROBE_NO_DQ_ADD: a timing probe,
+            // scripts/ab_probe.py, that leaves the adds out to measure what they cost; dQ is then wrong)
+            if (tile.col + box * 32 < D && !CUFLASH_PROBE_NO_DQ_ADD)
+                tma_reduce_add_3d(map_dq, sm.dq[c][s] + box * BOX_BYTES, tile.col + box * 32, tile.row, tile.head);
+        tma_store_commit();
+        tma_store_wait_read();  // TMA has read the tile: the buffer is free
+        mbar_arrive(&sm.dq_empty[c][s]);
+        if (p.dq_semaphore) {
+            tma_store_wait_all();  // the adds are in global memory ...
+            fence_async_global();
+            st_release(flag, turn + 1);  // ... before the next K block may add
         }
-        if (CONVERT && p.dq_done && k > 0) {
-            if (lane == 0 && k == tiles) tma_store_wait_all();
-            count_and_convert(k - 1, s);
-        }
-        if (lane == 0 && k < tiles) mbar_arrive(&sm.dq_empty[c][s]);
     }
 }
 

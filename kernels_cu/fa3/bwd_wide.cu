@@ -137,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                                                        &map_lse, &map_dsum, p, seq, batch, kv_head,
                                                                        group, n_block, m_lo, m_hi);
         else  // the dQ writer of consumer warp - 1: a tile at every step
-            write_dq_tiles<D, DQ_BOXES, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS, false>(sm, &map_dq, p, warp - 1,
+            write_dq_tiles<D, DQ_BOXES, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, warp - 1,
                                                                                 group * (m_hi - m_lo));
         return;
     }
@@ -169,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 tile.col = c * HALF;
                 tile.row = seq.q_start + m * BM;
                 tile.head = VARLEN ? h : batch * p.heads + h;
-                if (p.dq_semaphore) dq_tile_counters<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2);
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             float st[QH / 2], dpt[QH / 2];

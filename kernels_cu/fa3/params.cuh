@@ -45,12 +45,4 @@ struct Fa3BwdParams {
     // Deterministic mode without a mask bounding the rows, every K block of a head resident at once: the
     // rotated dQ order (common/dq_order.cuh), set by cuflash/fa3.py.
     int rotate_q_blocks;
-    // dQ converted in the kernel (bwd.cu, fixed-length batches whose first Q block sees a key; else null and
-    // common/bwd_aux.cu converts after): per (batch, head, Q block, dQ atom) the count of K blocks whose add
-    // has landed (zeroed by the preprocess); the writer whose add completes a tile's count converts it from
-    // dq_accum (batch, heads, seqlen_q, D) into dq, times scale.
-    int* dq_done;
-    const float* dq_accum;
-    u16* dq;
-    i64 dq_batch_stride, dq_row_stride, dq_head_stride;
 };
