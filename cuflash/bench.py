@@ -425,12 +425,11 @@ def _cuflash_factory(impl: str, deterministic: bool = False):
         if deterministic and case.mode == "fwd":
             raise ValueError("deterministic mode is a property of the backward (--suite backward)")
         kw = dict(causal=case.shape.causal, softmax_scale=case.scale, impl=impl)
-        if deterministic:
-            kw["deterministic"] = True
         if case.mode == "fwd":
             return Timed(lambda: (flash_attn_func(case.q, case.k, case.v, **kw),))
         out, lse = flash_attn_func(case.q, case.k, case.v, return_lse=True, **kw)
-        return Timed(lambda: tuple(flash_attn_backward(case.dout, case.q, case.k, case.v, out, lse, **kw)))
+        bwd_kw = dict(kw, deterministic=True) if deterministic else kw
+        return Timed(lambda: tuple(flash_attn_backward(case.dout, case.q, case.k, case.v, out, lse, **bwd_kw)))
 
     return make
 

@@ -625,7 +625,10 @@ def test_deterministic_backward_impls(monkeypatch):
         q = k = v = dout = "x"
         scale = 0.125
 
-    monkeypatch.setattr(cuflash.api, "flash_attn_func", lambda *a, **kw: ("out", "lse"))
+    def forward(q, k, v, *, causal, softmax_scale, impl, return_lse=False):  # (no deterministic: the forward has none)
+        return "out", "lse"
+
+    monkeypatch.setattr(cuflash.api, "flash_attn_func", forward)
     monkeypatch.setattr(cuflash.api, "flash_attn_backward", lambda *a, **kw: calls.append(kw) or ("dq", "dk", "dv"))
     for name, impl in (("cuflash-fa3-det", "fa3"), ("cuflash-fa2-det", "fa2")):
         bench.factory_for(name)(Case(shape(), mode="bwd")).fn()
