@@ -134,6 +134,14 @@ def list_variants() -> list:
     return list(dict.fromkeys(out))
 
 
+def bench_shape(d, n, count):
+    """The FlashAttention benchmark shape at head dim d and length n (16k tokens, hidden 2048): batch, heads
+    and ``count`` random bf16 (batch, n, heads, d) arrays."""
+    b, h = 16384 // n, 2048 // d
+    arrays = [cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16") for _ in range(count)]
+    return b, h, arrays
+
+
 def interleaved(label, configs, call, flops, rounds, reps):
     from cuflash.bench import time_fn
 
@@ -190,9 +198,7 @@ def bf16_pingpong(rounds, reps):
 
     for d in BF16_HEADDIMS:
         for n in (2048, 8192):
-            b, h = 16384 // n, 2048 // d
-            q, k, v = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
-                       for _ in range(3))
+            b, h, (q, k, v) = bench_shape(d, n, 3)
             for causal in (False, True):
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 configs = {"tables": as_is, "pingpong switched": lambda: pingpong_switched(d)}
@@ -206,9 +212,7 @@ def bwd_dq(rounds, reps):
 
     for d in (64, 128):
         n = 8192
-        b, h = 16384 // n, 2048 // d
-        q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
-                       for _ in range(4))
+        b, h, (q, k, v, do) = bench_shape(d, n, 4)
         out, lse = cuflash.flash_attn_func(q, k, v, impl="fa3", return_lse=True)
         flops = 2.5 * 4 * b * h * n * n * d
 
@@ -225,9 +229,7 @@ def bwd_det(rounds, reps):
 
     for d in (64, 128):
         for n in (2048, 8192):
-            b, h = 16384 // n, 2048 // d
-            q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
-                           for _ in range(4))
+            b, h, (q, k, v, do) = bench_shape(d, n, 4)
             for causal in (False, True):
                 out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
                 flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
