@@ -175,15 +175,19 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     bn = bwd_block_n(headdim)
     kv_bytes, qd_bytes = bn * padded * 2, block_m * padded * 2
     ds_bytes = -(-block_m // 64) * bn * 128  # dS^T [keys][queries] in atoms of 64 queries
-    dq_stages = 2 if block_m == 64 else 1  # per consumer: dQ tiles (two 64-column fp32 atoms) staged for its writer
-    dq_bytes = 2 * dq_stages * 2 * block_m * 32 * 4
-    lse_bytes = 2 * 2 * block_m * 4  # LSE and D rows per stage
-    records = 2 * 2 * dq_stages * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
-    smem = 2 * kv_bytes + 4 * qd_bytes + ds_bytes + dq_bytes + lse_bytes + records + 8 * (5 + 4 * dq_stages)
-    smem += 2048  # alignment slack
+    lse_bytes = 2 * 2 * -(-block_m // 32) * 32 * 4  # LSE and D rows per stage (128-byte aligned: TMA)
+
+    def smem_bytes(dq_stages):  # per consumer dq_stages dQ tiles (two 64-column fp32 atoms) staged for its writer
+        dq_bytes = 2 * dq_stages * 2 * block_m * 32 * 4
+        records = 2 * 2 * dq_stages * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
+        barriers = 8 * (5 + 4 * dq_stages)
+        return 2 * kv_bytes + 4 * qd_bytes + ds_bytes + dq_bytes + lse_bytes + records + barriers + 2048  # + alignment
+
+    dq_stages = 2 if smem_bytes(2) <= MAX_SMEM else 1
     return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd",
-                   defines + (("CUFLASH_BLOCK_M", block_m), ("CUFLASH_SMEM_BYTES", smem)), threads=THREADS,
-                   smem_bytes=smem)
+                   defines + (("CUFLASH_BLOCK_M", block_m), ("CUFLASH_DQ_STAGES", dq_stages),
+                              ("CUFLASH_SMEM_BYTES", smem_bytes(dq_stages))), threads=THREADS,
+                   smem_bytes=smem_bytes(dq_stages))
 
 
 def _row_kinds(headdim: int) -> list[tuple[bool, bool]]:

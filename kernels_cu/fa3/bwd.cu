@@ -65,18 +65,19 @@ constexpr int CONSUMER_WARPS = 8;
 // threads a block starts at 168 registers per thread (65536 / 384 rounded down to 8); asking for more than
 // that in total made the consumers' setmaxnreg wait forever (a hang, not an error).
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-// dQ tiles per consumer in flight to its writer (80 rows: the shared memory holds one)
-constexpr int DQ_STAGES = BM == 64 ? 2 : 1;
+// dQ tiles per consumer in flight to its writer: two where the shared memory holds them (cuflash/fa3.py)
+constexpr int DQ_STAGES = CUFLASH_DQ_STAGES;
 constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;  // their DqTile records (written a step ahead of the tile)
 // dS^T is stored [key][query] in atoms of 64 queries (128-byte rows); at 80 rows the second atom holds 16.
 constexpr int DS_ATOMS = (BM + 63) / 64;
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = DS_ATOMS * BN * 128;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // BM rows x 32 fp32 columns: one 128-byte-swizzled box
+constexpr int ROWS_PITCH = (BM + 31) / 32 * 32;  // a stage's LSE / D rows: TMA writes to 128-byte aligned addresses
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
 static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
-static_assert(BM == 64 || (BM == 80 && DP == 128 && !SOFTCAP && !VARLEN), "80-row steps: d = 128, no softcap or varlen");
+static_assert(BM % 16 == 0 && BM <= 128 && (BM == 64 || (!SOFTCAP && !VARLEN)), "steps of other than 64 rows: no softcap or varlen");
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
@@ -86,8 +87,8 @@ struct Smem {
     alignas(1024) unsigned char ds[DS_BYTES];         // dS^T [BN keys][BM queries] as DS_ATOMS atoms of 64 queries,
                                                       // 128-byte swizzle; consumer c writes keys 64 c .. (dQ reads all)
     alignas(1024) unsigned char dq[2][DQ_STAGES][2 * DQ_BOX_BYTES];  // per consumer: dQ atoms as two boxes
-    alignas(128) float lse[STAGES][BM];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
-    alignas(128) float dsum[STAGES][BM];
+    alignas(128) float lse[STAGES][ROWS_PITCH];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
+    alignas(128) float dsum[STAGES][ROWS_PITCH];
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
     u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];  // per consumer: its staged dQ tiles, to and from its writer
     DqTile dq_tile[2][DQ_TILE_SLOTS];                   // where each staged tile goes
