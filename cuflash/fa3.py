@@ -145,12 +145,10 @@ BWD_PARAMS = np.dtype(
 BWD_BLOCK_M = 64
 
 
-def bwd_block_m(headdim: int, unmasked: bool, softcap: bool, varlen: bool, deterministic: bool) -> int:
-    """Query rows per step of the backward (bwd.cu): heuristics.FA3_BWD_BLOCK_M_UNMASKED where it has the head
-    dim and no mask, softcap, packed batch or deterministic order asks for the 64-row arrangement, else
-    BWD_BLOCK_M."""
-    plain = unmasked and not (softcap or varlen or deterministic)
-    return heuristics.FA3_BWD_BLOCK_M_UNMASKED.get(headdim, BWD_BLOCK_M) if plain else BWD_BLOCK_M
+def bwd_block_m(headdim: int, softcap: bool) -> int:
+    """Query rows per step of the backward (bwd.cu): heuristics.FA3_BWD_BLOCK_M where it has the head dim and
+    no softcap asks for the 64-row arrangement (registers), else BWD_BLOCK_M."""
+    return BWD_BLOCK_M if softcap else heuristics.FA3_BWD_BLOCK_M.get(headdim, BWD_BLOCK_M)
 
 
 def bwd_block_n(headdim: int) -> int:
@@ -214,8 +212,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
-    bwd += [bwd_variant(d, dtype, block_m=bm) for dtype in DTYPE_CODES
-            for d, bm in heuristics.FA3_BWD_BLOCK_M_UNMASKED.items()]
+    bwd += [bwd_variant(d, dtype, varlen=varlen, block_m=bm) for dtype in DTYPE_CODES for varlen in (False, True)
+            for d, bm in heuristics.FA3_BWD_BLOCK_M.items() if bm != BWD_BLOCK_M]
     return fwd + bwd + fp8
 
 
@@ -359,7 +357,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run."""
     cu_q, cu_k = cu_seqlens or (None, None)
     varlen = cu_q is not None
-    block_m = bwd_block_m(dims.headdim, _unmasked(window, dims), softcap > 0, varlen, deterministic)
+    block_m = bwd_block_m(dims.headdim, softcap > 0)
     q_pitch = (dims.seqlen_q + block_m - 1) // block_m * block_m  # Q blocks x block_m of the longest
     if varlen:  # per head: every sequence's rows from a 64-aligned start (common/padded_rows.cuh)
         pitch = varlen_row_pitch(q.shape[0], dims.batch)
@@ -423,7 +421,8 @@ def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
 def varlen_row_pitch(total_q: int, batch: int) -> int:
     """Rows per head of the FA3 backward's padded LSE / D rows for a packed batch: sequence b starts at
     padded_seq_start(cu_q[b], b) = round_up(cu_q[b], 64) + 64 b (common/padded_rows.cuh) and the producer
-    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch."""
+    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch (an
+    80-row block may end up to 16 rows later: TMA fills zeros past the buffer, and those rows are unused)."""
     return (total_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M + BWD_BLOCK_M * batch
 
 

@@ -22,9 +22,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
   bwd-det    FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: the default against the
              deterministic mode (issue 5: within 15 %)
-  bwd-rows   FA3 backward d = 128 without a mask, N = 2k ... 16k: 80-row steps
-             (heuristics.FA3_BWD_BLOCK_M_UNMASKED) against 64
-  bwd-rows-d64  FA3 backward d = 64, N = 2k and 8k, causal and not: 64 rows per step against 80 and 128
+  bwd-rows   FA3 backward d = 64 and 128, N = 2k ... 16k, causal and not: the rows per step of
+             heuristics.FA3_BWD_BLOCK_M against 64
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
@@ -126,7 +125,6 @@ def list_variants() -> list:
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
-    out += [fa3.bwd_variant(64, "bfloat16", block_m=bm) for bm in BWD_ROWS_D64]
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -253,54 +251,23 @@ def bwd_det(rounds, reps):
                             {"default": as_is, "deterministic": deterministic}, call, flops, rounds, reps)
 
 
-@contextmanager
-def bwd_rows_fixed(block_m):
-    """FA3 backward calls without softcap, packed batch or deterministic order take ``block_m`` rows per step."""
-    built = fa3.bwd_block_m
-    fa3.bwd_block_m = lambda headdim, unmasked, softcap, varlen, deterministic: (
-        block_m if not (softcap or varlen or deterministic) else built(headdim, unmasked, softcap, varlen, deterministic))
-    try:
-        yield
-    finally:
-        fa3.bwd_block_m = built
-
-
-BWD_ROWS_D64 = (80, 128)  # bwd_rows_d64's candidates
-
-
-def bwd_rows_d64(rounds, reps):
-    """FA3 backward at d = 64 (FlashAttention-3 runs 128 x 128 there): 64 rows per step against 80 and 128."""
-    import cuflash
-
-    d = 64
-    for n in (2048, 8192):
-        b, h, (q, k, v, do) = bench_shape(d, n, 4)
-        for causal in (False, True):
-            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
-            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-
-            def call():
-                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
-
-            configs = {"64 rows": as_is, **{f"{bm} rows": (lambda bm=bm: bwd_rows_fixed(bm)) for bm in BWD_ROWS_D64}}
-            interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
-
-
 def bwd_rows(rounds, reps):
-    """FA3 backward at d = 128 without a mask: the table's rows per step (80) against 64."""
+    """FA3 backward at d = 64 and 128, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 64."""
     import cuflash
 
-    d = 128
-    rows_64 = lambda: tables_edited((heuristics.FA3_BWD_BLOCK_M_UNMASKED,), lambda table: table.clear())  # noqa: E731
-    for n in (2048, 4096, 8192, 16384):
-        b, h, (q, k, v, do) = bench_shape(d, n, 4)
-        out, lse = cuflash.flash_attn_func(q, k, v, impl="fa3", return_lse=True)
-        flops = 2.5 * 4 * b * h * n * n * d
+    rows_64 = lambda: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.clear())  # noqa: E731
+    for d in (64, 128):
+        for n in (2048, 4096, 8192, 16384):
+            b, h, (q, k, v, do) = bench_shape(d, n, 4)
+            for causal in (False, True):
+                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
 
-        def call():
-            return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, impl="fa3")
+                def call():
+                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
 
-        interleaved(f"fa3 backward d={d} N={n}", {"table": as_is, "64 rows": rows_64}, call, flops, rounds, reps)
+                interleaved(f"fa3 backward d={d} N={n} causal={causal}", {"table": as_is, "64 rows": rows_64}, call,
+                            flops, rounds, reps)
 
 
 def main():
@@ -316,7 +283,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-rows-d64": bwd_rows_d64}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

@@ -2,7 +2,7 @@
 // through an mbarrier ring, warp specialisation.
 //
 // A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
-// the 64-row (80-row: BM below) query blocks that see those keys. Three warpgroups:
+// the query blocks of BM rows (80, or 64: below) that see those keys. Three warpgroups:
 //   producer  (warpgroup 0): gives registers back; one thread TMA-loads K and V once, then streams the
 //             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers); one thread per consumer
 //             (warps 1 and 2) adds that consumer's dQ tiles to the accumulator (below);
@@ -40,16 +40,18 @@
 // Not yet: dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128; 192 and 256: fa3/bwd_wide.cu),
-// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_BLOCK_M (64/80), CUFLASH_SMEM_BYTES.
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_BLOCK_M (64/80), CUFLASH_DQ_STAGES,
+// CUFLASH_SMEM_BYTES.
 #include "fa3/bwd_roles.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;
-// Query rows per step: 64, or 80 (d = 128 without a mask, softcap or packed batch: FlashAttention-3's tile
-// there; 25 % more work per step over the same barriers, LSE reads and dQ hand-offs). At 80 rows dQ is
-// computed transposed, dQ^T = K^T dS^T (the head dim as the wgmma's M, which must be 64), and staged
-// for its writer from the transposed registers.
+// Query rows per step (heuristics.FA3_BWD_BLOCK_M): 80 (FlashAttention-3's tile at d = 128; 25 % more work
+// per step over the same barriers, LSE reads and dQ hand-offs than 64: +4-9 % on the H200), or 64 with a
+// softcap (registers). Other than 64, dQ is computed
+// transposed, dQ^T = K^T dS^T (the head dim as the wgmma's M, which must be 64), and staged for its
+// writer from the transposed registers.
 constexpr int BM = CUFLASH_BLOCK_M;
 constexpr bool DQ_TRANSPOSED = BM != 64;
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
@@ -77,7 +79,7 @@ static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the b
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
 static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
-static_assert(BM % 16 == 0 && BM <= 128 && (BM == 64 || (!SOFTCAP && !VARLEN)), "steps of other than 64 rows: no softcap or varlen");
+static_assert(BM % 16 == 0 && BM <= 128 && (BM == 64 || !SOFTCAP), "steps of other than 64 rows: no softcap");
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
