@@ -145,13 +145,20 @@ BWD_PARAMS = np.dtype(
 BWD_BLOCK_M = 64
 
 
+def bwd_block_m(headdim: int, softcap: bool) -> int:
+    """Query rows per step of the backward (bwd.cu): heuristics.FA3_BWD_BLOCK_M where it has the head dim and
+    no softcap asks for the 64-row arrangement (registers), else BWD_BLOCK_M."""
+    return BWD_BLOCK_M if softcap else heuristics.FA3_BWD_BLOCK_M.get(headdim, BWD_BLOCK_M)
+
+
 def bwd_block_n(headdim: int) -> int:
     """Keys per thread block of the backward: 128 (bwd.cu, two consumers of 64 keys), 64 above d = 128
     (bwd_wide.cu, both consumers on the same keys, half the head dim each)."""
     return 128 if headdim <= 128 else 64
 
 
-def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False) -> Variant:
+def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False,
+                block_m: int = BWD_BLOCK_M) -> Variant:
     defines = (("CUFLASH_HEADDIM", headdim), ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)),
                ("CUFLASH_VARLEN", int(varlen)))
     if headdim > 128:  # bwd_wide.cu: every tile 256 columns wide, a one-slot ring, one dQ tile per consumer
@@ -163,14 +170,22 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         return Variant(FAMILY, "fa3/bwd_wide.cu", "fa3_bwd_wide", defines + (("CUFLASH_SMEM_BYTES", smem),),
                        threads=THREADS, smem_bytes=smem)
     padded = -(-headdim // 64) * 64  # tiles hold whole 64-column atoms (d = 96 is stored as 128)
-    kv_bytes, qd_bytes, ds_bytes = bwd_block_n(headdim) * padded * 2, BWD_BLOCK_M * padded * 2, 64 * BWD_BLOCK_M * 2
-    # per consumer: two 64-column fp32 atoms of dQ staged for its writer's reduce-adds
-    dq_bytes = 2 * 2 * BWD_BLOCK_M * 64 * 4
-    lse_bytes = 2 * 2 * BWD_BLOCK_M * 4  # LSE and D rows per stage
-    records = 2 * 4 * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
-    smem = 2 * kv_bytes + 4 * qd_bytes + 2 * ds_bytes + dq_bytes + lse_bytes + records + 8 * 13 + 2048  # + barriers
-    return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd", defines + (("CUFLASH_SMEM_BYTES", smem),), threads=THREADS,
-                   smem_bytes=smem)
+    bn = bwd_block_n(headdim)
+    kv_bytes, qd_bytes = bn * padded * 2, block_m * padded * 2
+    ds_bytes = -(-block_m // 64) * bn * 128  # dS^T [keys][queries] in atoms of 64 queries
+    lse_bytes = 2 * 2 * -(-block_m // 32) * 32 * 4  # LSE and D rows per stage (128-byte aligned: TMA)
+
+    def smem_bytes(dq_stages):  # per consumer dq_stages dQ tiles (two 64-column fp32 atoms) staged for its writer
+        dq_bytes = 2 * dq_stages * 2 * block_m * 32 * 4
+        records = 2 * 2 * dq_stages * 5 * 4  # where each staged dQ tile goes (bwd.cu: DqTile)
+        barriers = 8 * (5 + 4 * dq_stages)
+        return 2 * kv_bytes + 4 * qd_bytes + ds_bytes + dq_bytes + lse_bytes + records + barriers + 2048  # + alignment
+
+    dq_stages = 2 if smem_bytes(2) <= MAX_SMEM else 1
+    return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd",
+                   defines + (("CUFLASH_BLOCK_M", block_m), ("CUFLASH_DQ_STAGES", dq_stages),
+                              ("CUFLASH_SMEM_BYTES", smem_bytes(dq_stages))), threads=THREADS,
+                   smem_bytes=smem_bytes(dq_stages))
 
 
 def _row_kinds(headdim: int) -> list[tuple[bool, bool]]:
@@ -197,6 +212,8 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
+    bwd += [bwd_variant(d, dtype, varlen=varlen, block_m=bm) for dtype in DTYPE_CODES for varlen in (False, True)
+            for d, bm in heuristics.FA3_BWD_BLOCK_M.items() if bm != BWD_BLOCK_M]
     return fwd + bwd + fp8
 
 
@@ -332,14 +349,16 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     and the dQ conversion on ``stream`` (the row passes are common/bwd_aux.cu's, shared with the other
     families). ``dsum`` (the caller's unpadded D buffer) is not used: the kernel's TMA loads of LSE and D
     rows need each block to start at a 16-byte aligned offset (a load at row 113 of a head faulted with an
-    illegal instruction on the H200), so both live in rows padded to a multiple of BWD_BLOCK_M here:
+    illegal instruction on the H200), so both live in rows padded to a multiple of the kernel's rows per step
+    (bwd_block_m) here:
     (batch, heads, pitch), or for packed batches (``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k), ``dims``
     with the longest lengths) (heads, pitch) with each sequence from a 64-aligned row (bwd.cu: lse_row0).
     ``deterministic``: the K blocks add their dQ shares of each Q block in a fixed order (zeroed counters per
     (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run."""
     cu_q, cu_k = cu_seqlens or (None, None)
     varlen = cu_q is not None
-    q_pitch = (dims.seqlen_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M  # Q blocks x 64 of the longest
+    block_m = bwd_block_m(dims.headdim, softcap > 0)
+    q_pitch = (dims.seqlen_q + block_m - 1) // block_m * block_m  # Q blocks x block_m of the longest
     if varlen:  # per head: every sequence's rows from a 64-aligned start (common/padded_rows.cuh)
         pitch = varlen_row_pitch(q.shape[0], dims.batch)
         total = dims.heads * pitch
@@ -348,7 +367,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         total = dims.batch * dims.heads * pitch
     if total >= 2 ** 31:
         raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: its padded rows (heads x "
-                         f"batch x seqlen_q, or heads x total_q, padded per {BWD_BLOCK_M}) must be below 2^31; "
+                         f"batch x seqlen_q, or heads x total_q, padded per {block_m}) must be below 2^31; "
                          f"got {total}")
     import cupy
 
@@ -357,21 +376,21 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
                         row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch)
-    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen)
+    variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, block_m)
     block_n = bwd_block_n(dims.headdim)
-    maps = (_tensor_map(q, BWD_BLOCK_M), _tensor_map(k, block_n), _tensor_map(v, block_n),
-            _tensor_map(dout, BWD_BLOCK_M), _dq_accum_map(dq_accum), _rows_map(lse_rows), _rows_map(dsum_rows))
+    maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
+            _dq_accum_map(dq_accum, block_m), _rows_map(lse_rows, block_m), _rows_map(dsum_rows, block_m))
     p = np.zeros(1, BWD_PARAMS)
     p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
     if varlen:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
         atoms = -(-dims.headdim // 64)
-        if dims.batch * dims.heads * (q_pitch // BWD_BLOCK_M) * atoms >= 2 ** 31:
+        if dims.batch * dims.heads * (q_pitch // block_m) * atoms >= 2 ** 31:
             raise ValueError(f"deterministic FA3 backward: batch x heads x Q blocks x dQ atoms must be below 2^31 "
                              f"(32-bit counter indices); got {dims.batch} x {dims.heads} x "
-                             f"{q_pitch // BWD_BLOCK_M} x {atoms}")
-        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // BWD_BLOCK_M, atoms), dtype=cupy.int32)
+                             f"{q_pitch // block_m} x {atoms}")
+        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
@@ -402,24 +421,25 @@ def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
 def varlen_row_pitch(total_q: int, batch: int) -> int:
     """Rows per head of the FA3 backward's padded LSE / D rows for a packed batch: sequence b starts at
     padded_seq_start(cu_q[b], b) = round_up(cu_q[b], 64) + 64 b (common/padded_rows.cuh) and the producer
-    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch."""
+    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch (an
+    80-row block may end up to 16 rows later: TMA fills zeros past the buffer, and those rows are unused)."""
     return (total_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M + BWD_BLOCK_M * batch
 
 
-def _rows_map(rows):
-    """A flat fp32 array of padded (batch, heads, pitch) rows (LSE, D) as one row of 64-element boxes, which
+def _rows_map(rows, block_m: int):
+    """A flat fp32 array of padded (batch, heads, pitch) rows (LSE, D) as one row of block_m-element boxes, which
     the producer loads with each (Q, dO) block. The map has a second dimension of size 1: a rank-1 map
     failed to encode on the H200 (CUDA_ERROR_INVALID_VALUE, with the empty stride list); that dimension's
     stride is never stepped and only has to be a multiple of 16."""
     row_bytes = (rows.size * 4 + 15) // 16 * 16
-    return _tma.encode_tiled(rows.data.ptr, "float32", (rows.size, 1), (row_bytes,), (BWD_BLOCK_M, 1), swizzle=0)
+    return _tma.encode_tiled(rows.data.ptr, "float32", (rows.size, 1), (row_bytes,), (block_m, 1), swizzle=0)
 
 
-def _dq_accum_map(dq_accum):
+def _dq_accum_map(dq_accum, block_m: int):
     """The fp32 dQ accumulator, (batch, heads, seqlen_q, d) or packed (heads, total_q, d), as a 3-D map
-    (d, rows, batch x heads or heads) with 64-row x 32-column boxes in the 128-byte swizzle, for the
+    (d, rows, batch x heads or heads) with block_m-row x 32-column boxes in the 128-byte swizzle, for the
     backward's reduce-adds."""
     *lead, rows, d = dq_accum.shape
     planes = int(np.prod(lead))
     return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, planes), (d * 4, rows * d * 4),
-                             (32, BWD_BLOCK_M, 1), swizzle=128)
+                             (32, block_m, 1), swizzle=128)

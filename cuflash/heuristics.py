@@ -239,6 +239,15 @@ FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILE
 # on the H200 (deterministic / default TF/s, not causal): d = 256 N = 2k 0.70 -> 0.85, 4k 0.70 -> 0.84
 # (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
 FA3_BWD_ROTATE_SM_FRACTION = 0.5
+# head dim -> query rows per step of the FA3 backward (fa3/bwd.cu) without a softcap (with one: 64, its
+# registers). FlashAttention-3's hopper/ backward runs d = 128 on 80 x 128
+# tiles with dQ computed transposed (without a mask): each step carries 25 % more rows over the same
+# barriers, LSE reads and dQ hand-offs. 80 rows leave shared memory for one staged dQ tile per consumer at
+# d = 96 / 128 (two at d = 64). H200 (scripts/ab_probe.py bwd-rows, session 15, TF/s with 64 -> 80 rows,
+# not causal / causal): d = 64 N = 2k 378 -> 405 / 316 -> 323, 8k 412 -> 449 / 393 -> 410 (128 rows,
+# 192 bytes spilled: 385 / 311, 410 / 392); d = 128 2k 461 -> 458 / 361 -> 357, 4k 479 -> 497 / 418 ->
+# 421, 8k 474 -> 513 / 457 -> 475, 16k 500 -> 527 / 489 -> 504.
+FA3_BWD_BLOCK_M = {64: 80, 96: 80, 128: 80}
 
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call

@@ -49,9 +49,10 @@ and tile sizes (``cuflash.heuristics`` by default):
 
 ``fa3`` backward -- FA2's three kernels with FA3's main kernel (fa3/bwd.cu; fa3/bwd_wide.cu above d = 128):
     one block per (batch, KV head, K block of BLOCK_N = ``fa3.bwd_block_n``: 128 keys, 64 above d = 128)
-    loads K and V once (not when no Q block sees them) and streams (Q, dO) blocks of 64 rows with their LSE
-    and D rows. Those come from copies in rows padded to a multiple of 64 (``bwd_preprocess`` also reads the
-    LSE and writes ``lse_rows``), loaded as whole 64-row blocks. dQ tiles go to the fp32 accumulator by TMA
+    loads K and V once (not when no Q block sees them) and streams (Q, dO) blocks of BLOCK_M rows
+    (``fa3.bwd_block_m`` of a call without softcap: 80 at d <= 128, 64 above) with their LSE and D rows. Those come
+    from copies in rows padded to a multiple of BLOCK_M (``bwd_preprocess`` also reads the LSE and writes
+    ``lse_rows``), loaded as whole blocks. dQ tiles go to the fp32 accumulator by TMA
     reduce-add (a read and a write per visit, as FA2's atomics); dK, dV are summed over the group in
     registers and written once. The deterministic mode's counters are not counted.
 
@@ -727,7 +728,7 @@ def _fa3_tiles(direction: str, s: _Shape, block_m, block_n) -> dict:
         raise ValueError(f"fa3 has no {direction} tiles for head dim {d} (table: {sorted(table)}); "
                          f"pass block_m= and block_n=")
     if direction == "backward":
-        return {"block_m": block_m or fa3.BWD_BLOCK_M, "block_n": block_n or fa3.bwd_block_n(d)}
+        return {"block_m": block_m or fa3.bwd_block_m(d, False), "block_n": block_n or fa3.bwd_block_n(d)}
     pack = fa3.pack_gqa(s.dims(), varlen=False)
     if d in table:
         t = fa3.fwd_tiles(d, unmasked=s.fa3_unmasked(), pack_gqa=pack, short_masked=s.fa3_short_masked())

@@ -22,8 +22,10 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
   bwd-det    FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: the default against the
              deterministic mode (issue 5: within 15 %)
+  bwd-rows   FA3 backward d = 64 and 128, N = 2k ... 16k, causal and not: the rows per step of
+             heuristics.FA3_BWD_BLOCK_M against 64
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -249,6 +251,25 @@ def bwd_det(rounds, reps):
                             {"default": as_is, "deterministic": deterministic}, call, flops, rounds, reps)
 
 
+def bwd_rows(rounds, reps):
+    """FA3 backward at d = 64 and 128, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 64."""
+    import cuflash
+
+    rows_64 = lambda: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.clear())  # noqa: E731
+    for d in (64, 128):
+        for n in (2048, 4096, 8192, 16384):
+            b, h, (q, k, v, do) = bench_shape(d, n, 4)
+            for causal in (False, True):
+                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+
+                def call():
+                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
+
+                interleaved(f"fa3 backward d={d} N={n} causal={causal}", {"table": as_is, "64 rows": rows_64}, call,
+                            flops, rounds, reps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -262,7 +283,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

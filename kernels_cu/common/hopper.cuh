@@ -162,6 +162,12 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
+// x in a register of its own: the compiler cannot see that it equals another value (accumulator starting
+// values that repeat would otherwise share a register and be copied right before the wgmma).
+__device__ __forceinline__ float own_register(float x) {
+    asm volatile("mov.b32 %0, %0;" : "+f"(x));
+    return x;
+}
 // Keep the compiler from moving accumulator reads/writes across an in-flight wgmma.
 template <int N>
 __device__ __forceinline__ void wgmma_fence_regs(float (&acc)[N]) {
@@ -199,10 +205,11 @@ __device__ __forceinline__ void acc_to_a_frags_fp8(const float (&acc)[N / 2], u3
 // acc (64 x N) = A B^T over K = 16 KSTEPS, both operands K-major in shared memory as 64-column atoms of
 // 128-byte rows (4 k-steps of 32 bytes per atom): A's 64 rows at `a`, its atoms `a_atom_bytes` apart; B's
 // N rows at `b`, its atoms `b_atom_bytes` apart. Asynchronous: one commit group (FA3's S = Q K^T forward,
-// S^T = K Q^T and dP^T = V dO^T backward).
+// S^T = K Q^T and dP^T = V dO^T backward). `onto_acc`: the product is added to acc's values (else it
+// overwrites them).
 template <int N, int KSTEPS, bool FP8 = false>
 __device__ __forceinline__ void wgmma_abt_kmajor(float (&acc)[N / 2], const unsigned char* a, int a_atom_bytes,
-                                                 const unsigned char* b, int b_atom_bytes) {
+                                                 const unsigned char* b, int b_atom_bytes, bool onto_acc = false) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) {
@@ -210,9 +217,9 @@ __device__ __forceinline__ void wgmma_abt_kmajor(float (&acc)[N / 2], const unsi
         const u64 da = wgmma_desc_advance(wgmma_desc(a + atom * a_atom_bytes), 32 * step);
         const u64 db = wgmma_desc_advance(wgmma_desc(b + atom * b_atom_bytes), 32 * step);
         if constexpr (FP8)
-            wgmma_ss_fp8<N>(acc, da, db, kk > 0);
+            wgmma_ss_fp8<N>(acc, da, db, onto_acc || kk > 0);
         else
-            wgmma_ss<N, 0>(acc, da, db, kk > 0);
+            wgmma_ss<N, 0>(acc, da, db, onto_acc || kk > 0);
     }
     wgmma_commit();
 }

@@ -2,7 +2,7 @@
 // through an mbarrier ring, warp specialisation.
 //
 // A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
-// the 64-row query blocks that see those keys. Three warpgroups:
+// the query blocks of BM rows (80, or 64: below) that see those keys. Three warpgroups:
 //   producer  (warpgroup 0): gives registers back; one thread TMA-loads K and V once, then streams the
 //             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers); one thread per consumer
 //             (warps 1 and 2) adds that consumer's dQ tiles to the accumulator (below);
@@ -40,13 +40,20 @@
 // Not yet: dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128; 192 and 256: fa3/bwd_wide.cu),
-// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_SMEM_BYTES.
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_BLOCK_M (64/80), CUFLASH_DQ_STAGES,
+// CUFLASH_SMEM_BYTES.
 #include "fa3/bwd_roles.cuh"
 
 constexpr int D = CUFLASH_HEADDIM;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;
-constexpr int BM = 64;   // query rows per step
+// Query rows per step (heuristics.FA3_BWD_BLOCK_M): 80 (FlashAttention-3's tile at d = 128; 25 % more work
+// per step over the same barriers, LSE reads and dQ hand-offs than 64: +4-9 % on the H200), or 64 with a
+// softcap (registers). Other than 64, dQ is computed
+// transposed, dQ^T = K^T dS^T (the head dim as the wgmma's M, which must be 64), and staged for its
+// writer from the transposed registers.
+constexpr int BM = CUFLASH_BLOCK_M;
+constexpr bool DQ_TRANSPOSED = BM != 64;
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
 constexpr int STAGES = 2;
 // Tiles hold whole 64-column atoms: d = 96 is stored as 128 columns whose last 32 TMA fills with zeros, and
@@ -60,25 +67,30 @@ constexpr int CONSUMER_WARPS = 8;
 // threads a block starts at 168 registers per thread (65536 / 384 rounded down to 8); asking for more than
 // that in total made the consumers' setmaxnreg wait forever (a hang, not an error).
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
-constexpr int DQ_STAGES = 2;  // dQ tiles per consumer in flight to its writer
+// dQ tiles per consumer in flight to its writer: two where the shared memory holds them (cuflash/fa3.py)
+constexpr int DQ_STAGES = CUFLASH_DQ_STAGES;
 constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;  // their DqTile records (written a step ahead of the tile)
-constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = 64 * BM * 2;
-constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
+// dS^T is stored [key][query] in atoms of 64 queries (128-byte rows); at 80 rows the second atom holds 16.
+constexpr int DS_ATOMS = (BM + 63) / 64;
+constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = DS_ATOMS * BN * 128;
+constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // BM rows x 32 fp32 columns: one 128-byte-swizzled box
+constexpr int ROWS_PITCH = (BM + 31) / 32 * 32;  // a stage's LSE / D rows: TMA writes to 128-byte aligned addresses
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
 static_assert(DP == 64 || DP == 128, "head dims up to 128 (registers: dK and dV are 2 x DP / 2 per thread)");
+static_assert(BM % 16 == 0 && BM <= 128 && (BM == 64 || !SOFTCAP), "steps of other than 64 rows: no softcap");
 
 struct Smem {
     alignas(1024) unsigned char k[KV_BYTES];          // ATOMS atoms of [BN][64]
     alignas(1024) unsigned char v[KV_BYTES];
     alignas(1024) unsigned char q[STAGES][QB_BYTES];  // ATOMS atoms of [BM][64]
     alignas(1024) unsigned char dout[STAGES][QB_BYTES];
-    alignas(1024) unsigned char ds[2][DS_BYTES];      // per consumer: dS^T [64 keys][BM queries], 128-byte swizzle;
-                                                      // together [BN keys][BM queries] (dQ reads both)
+    alignas(1024) unsigned char ds[DS_BYTES];         // dS^T [BN keys][BM queries] as DS_ATOMS atoms of 64 queries,
+                                                      // 128-byte swizzle; consumer c writes keys 64 c .. (dQ reads all)
     alignas(1024) unsigned char dq[2][DQ_STAGES][2 * DQ_BOX_BYTES];  // per consumer: dQ atoms as two boxes
-    alignas(128) float lse[STAGES][BM];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
-    alignas(128) float dsum[STAGES][BM];
+    alignas(128) float lse[STAGES][ROWS_PITCH];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
+    alignas(128) float dsum[STAGES][ROWS_PITCH];
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
     u64 dq_full[2][DQ_STAGES], dq_empty[2][DQ_STAGES];  // per consumer: its staged dQ tiles, to and from its writer
     DqTile dq_tile[2][DQ_TILE_SLOTS];                   // where each staged tile goes
@@ -90,8 +102,10 @@ constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consum
 
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
-__device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y) {
-    wgmma_abt_kmajor<BM, DP / 16>(acc, x_rows, BN * 128, y, BM * 128);
+// `onto_acc`: added to acc's values.
+__device__ __forceinline__ void issue_xyt(float (&acc)[BM / 2], const unsigned char* x_rows, const unsigned char* y,
+                                          bool onto_acc = false) {
+    wgmma_abt_kmajor<BM, DP / 16>(acc, x_rows, BN * 128, y, BM * 128, onto_acc);
 }
 
 // acc (64 keys x D) += A (64 keys x BM queries, registers) Y (BM x D, read MN-major from [BM][D] atoms).
@@ -167,12 +181,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (m_lo < m_hi) {
         const unsigned char* k_rows = sm.k + c * 64 * 128;  // this consumer's 64 rows of every K / V atom
         const unsigned char* v_rows = sm.v + c * 64 * 128;
-        unsigned char* ds = sm.ds[c];
+        unsigned char* ds = sm.ds + c * 64 * 128;  // this consumer's 64 key rows of each dS^T atom
         mbar_wait(&sm.kv_full, 0);
         // Step i: Q block m of the group's (i / (m_hi - m_lo))-th query head (the consumers need only m; two
         // nested loops kept a head counter live, which ptxas spilled). The step's place within the head, qi,
         // and the head, h_i, are counted along (uniform registers) instead of divided out at every step.
         const int m_count = m_hi - m_lo, steps = group * m_count;
+        const float inv_scale_log2 = 1.f / p.scale_log2;  // (80 rows: FOLD_COLUMNS)
         int qi = 0, h_i = 0;
         for (int i = 0; i < steps; ++i, qi = qi + 1 == m_count ? 0 : qi + 1, h_i += qi == 0) {
             const int m = step_q_block(p, qi, n_block, m_lo, m_hi), s = i % STAGES;
@@ -190,15 +205,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             // The block's LSE and D columns are read before S^T and dP^T are issued: the wgmma waits order
             // every later load after them, and the first exponent waited on these reads (ncu: ~10 % of the
-            // d = 64 consumers' stall samples at the LDS and the FFMA behind it).
+            // d = 64 consumers' stall samples at the LDS and the FFMA behind it). At 80 rows the GEMMs start
+            // from them instead, S^T from -lse / (scale log2 e) and dP^T from -D, so that neither is live
+            // beside the accumulators (ptxas serialised the wgmmas there: too few registers); each starting
+            // value in a register of its own (own_register: shared ones, copied beside the in-flight S^T
+            // wgmma, made ptxas wait for it, C7517).
+            constexpr bool FOLD_COLUMNS = BM != 64;
             float lse2[BM / 8][2], dsum[BM / 8][2];
+            float st[BM / 2], dpt[BM / 2];
             if constexpr (!SOFTCAP) {
                 column_values<BM, BM>(lse2, sm.lse[s], -neg_inf(), m, 0, ln, seq);
                 column_values<BM, BM>(dsum, sm.dsum[s], 0.f, m, 0, ln, seq);
+                if constexpr (FOLD_COLUMNS) {
+#pragma unroll
+                    for (int j = 0; j < BM / 2; ++j) {
+                        // (a finite start for rows without probability, LSE +inf: -inf in the accumulator
+                        // is not something to rely on)
+                        st[j] = own_register(-fminf(lse2[j / 4][j % 2], 1e30f) * inv_scale_log2);
+                        dpt[j] = own_register(-dsum[j / 4][j % 2]);
+                    }
+#pragma unroll
+                    for (int j = 0; j < BM / 8; ++j) lse2[j][0] = lse2[j][1] = 0.f;
+                }
             }
-            float st[BM / 2], dpt[BM / 2];
-            issue_xyt(st, k_rows, sm.q[s]);
-            issue_xyt(dpt, v_rows, sm.dout[s]);
+            issue_xyt(st, k_rows, sm.q[s], FOLD_COLUMNS);
+            issue_xyt(dpt, v_rows, sm.dout[s], FOLD_COLUMNS);
 
             // P^T, then dV += P^T dO on the tensor cores while dS^T is formed, and dK += dS^T Q after dQ so
             // that dQ's staging runs under it (FlashAttention-3's order). With a softcap P^T needs dP^T first
@@ -235,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_commit();
                 wgmma_wait<1>();  // dP^T (dV stays in flight)
                 wgmma_fence_regs(dpt);
-                subtract_dsum<SOFTCAP, BM>(dpt, st, dsum);
+                if constexpr (!FOLD_COLUMNS) subtract_dsum<SOFTCAP, BM>(dpt, st, dsum);
 #pragma unroll
                 for (int j = 0; j < BM / 2; ++j) dpt[j] *= st[j];
                 acc_to_a_frags<BM>(dpt, dsa);
@@ -245,12 +276,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // halves of sm.ds, are done (each waited for its own before arriving here).
             named_sync(DS_FREE_BAR, 256);
 #pragma unroll
-            for (int j = 0; j < BM / 8; ++j)
+            for (int j = 0; j < BM / 8; ++j)  // (16-byte chunk j of the key's row: 8 queries)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
                     const int key = 16 * ln.w + ln.g + 8 * hh;
-                    *reinterpret_cast<u32*>(ds + key * 128 + ((j ^ (key % 8)) * 16) + 4 * ln.q4) =
-                        dsa[j / 2][2 * (j % 2) + hh];
+                    *reinterpret_cast<u32*>(ds + (j / 8) * BN * 128 + key * 128 + (((j % 8) ^ (key % 8)) * 16) +
+                                            4 * ln.q4) = dsa[j / 2][2 * (j % 2) + hh];
                 }
             fence_async_smem();
             named_sync(DS_READY_BAR, 256);  // dS^T of all BN keys is in sm.ds
@@ -259,37 +290,57 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
             // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
             // added twice the bytes); dq_atom says which. A = dS^T read MN-major from both halves of
-            // sm.ds, B = K MN-major; the descriptors advance from one base each (hoisting all 16 cost
-            // ptxas registers: spills). Then (without a softcap) dK, whose wgmmas run while dQ is staged.
+            // sm.ds, B = K MN-major (80 rows: the transpose, A = K^T and B = dS^T, both MN-major too); the
+            // descriptors advance from one base each (hoisting all 16 cost ptxas registers: spills). Then
+            // (without a softcap) dK, whose wgmmas run while dQ is staged.
             const int a = dq_atom(c, i);
             if (a >= 0) {
                 const int tile = dq_tile_index(i), buf = tile % DQ_STAGES;
                 mbar_wait(&sm.dq_empty[c][buf], ((tile / DQ_STAGES) & 1) ^ 1);  // the writer is done with it
-                const u64 desc_ds = wgmma_desc_mn(sm.ds[0], 64 * 128);
+                const u64 desc_ds = wgmma_desc_mn(sm.ds, DQ_TRANSPOSED ? BN * 128 : 64 * 128);
                 const u64 desc_k = wgmma_desc_mn(sm.k + a * BN * 128, BN * 128);
-                float dq[32];
+                float dq[BM / 2];
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < BN / 16; ++kk)
-                    wgmma_ss_mn<64>(dq, wgmma_desc_advance(desc_ds, kk * 16 * 128),
-                                    wgmma_desc_advance(desc_k, kk * 16 * 128), kk > 0);
+                for (int kk = 0; kk < BN / 16; ++kk) {
+                    const u64 ds_kk = wgmma_desc_advance(desc_ds, kk * 16 * 128);
+                    const u64 k_kk = wgmma_desc_advance(desc_k, kk * 16 * 128);
+                    // dQ^T (64 columns x BM rows) = K^T dS^T, or dQ (64 rows x 64 columns) = dS K
+                    wgmma_ss_mn<BM>(dq, DQ_TRANSPOSED ? k_kk : ds_kk, DQ_TRANSPOSED ? ds_kk : k_kk, kk > 0);
+                }
                 wgmma_commit();
                 if constexpr (!SOFTCAP) issue_dk();
                 unsigned char* dq_tile = sm.dq[c][buf];
                 wgmma_wait<SOFTCAP ? 0 : 1>();  // dQ (and dV; without a softcap dK stays in flight)
                 wgmma_fence_regs(dq);
-                // Two boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte swizzle: 16-byte chunk c of
-                // row r at c ^ (r % 8)); float2 stores, two wavefronts per warp.
+                // Two boxes of the dQ tensor map (BM rows x 32 fp32, 128-byte swizzle: 16-byte chunk c of
+                // row r at c ^ (r % 8)).
+                if constexpr (DQ_TRANSPOSED) {
+                    // This thread holds dQ^T at columns col, col + 8 and rows 8 j + 2 q4 + e: one fp32 store
+                    // each (a warp's 32 land in 8 distinct chunks of 4 rows: no bank conflicts).
 #pragma unroll
-                for (int j = 0; j < 8; ++j)
+                    for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-                    for (int hh = 0; hh < 2; ++hh) {
-                        const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
-                        const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
-                        *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
-                                                   8 * (ln.q4 % 2)) =
-                            make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-                    }
+                        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int col = 16 * ln.w + ln.g + 8 * hh, r = 8 * j + 2 * ln.q4 + e;
+                                const int chunk = ((col % 32) / 4) ^ (r % 8);
+                                *reinterpret_cast<float*>(dq_tile + (col / 32) * DQ_BOX_BYTES + r * 128 + chunk * 16 +
+                                                          4 * (col % 4)) = dq[4 * j + 2 * hh + e];
+                            }
+                } else {  // float2 stores, two wavefronts per warp
+#pragma unroll
+                    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
+                            const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
+                            *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
+                                                       8 * (ln.q4 % 2)) =
+                                make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+                        }
+                }
                 fence_async_smem();
                 named_sync(DQ_BAR + c, 128);
                 if (t == 0) mbar_arrive(&sm.dq_full[c][buf]);  // to this consumer's dQ writer
