@@ -110,7 +110,8 @@ static_assert(!(STORE_DKV_TMA && VARLEN), "packed batches store dK / dV from reg
 // Each consumer stages its 64 keys of dK and of dV (ATOMS atoms of [64][64] each) in the (Q, dO) ring.
 constexpr int DKV_BYTES = 2 * ATOMS * 64 * 128;
 static_assert(2 * DKV_BYTES <= 2 * STAGES * QB_BYTES, "both consumers' dK and dV fit in the (Q, dO) ring");
-static_assert(__builtin_offsetof(Smem, dout) == __builtin_offsetof(Smem, q) + STAGES * QB_BYTES, "the ring is one run of bytes");
+// (sm.dout follows sm.q with no gap: both 1024-aligned, and the ring's stages are whole multiples of 1024)
+static_assert(QB_BYTES % 1024 == 0, "the (Q, dO) ring is one run of bytes");
 
 // Consumer c's dK (times the softmax scale) and dV to its staging area in the 128-byte swizzle of the
 // tensor maps (16-byte chunk j of row r at j ^ (r % 8): a warp's stores hit 32 banks), then one thread
