@@ -24,8 +24,10 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              deterministic mode (issue 5: within 15 %)
   bwd-rows   FA3 backward d = 64 and 128, N = 2k ... 16k, causal and not: the rows per step of
              heuristics.FA3_BWD_BLOCK_M against 64
+  bwd-dkv    FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: dK / dV stored by TMA through
+             shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -114,6 +116,7 @@ def as_is():
 
 BF16_HEADDIMS = (64, 128, 256)
 NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
+DKV_FROM_REGISTERS = (("CUFLASH_STORE_DKV_TMA", 0),)
 
 
 def list_variants() -> list:
@@ -125,6 +128,8 @@ def list_variants() -> list:
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
+    with bwd_defines(*DKV_FROM_REGISTERS):
+        out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -270,6 +275,25 @@ def bwd_rows(rounds, reps):
                             flops, rounds, reps)
 
 
+def bwd_dkv(rounds, reps):
+    """FA3 backward: dK / dV stored by TMA through shared memory against from registers."""
+    import cuflash
+
+    for d in (64, 128):
+        for n in (2048, 8192):
+            b, h, (q, k, v, do) = bench_shape(d, n, 4)
+            for causal in (False, True):
+                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+
+                def call():
+                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
+
+                interleaved(f"fa3 backward d={d} N={n} causal={causal}",
+                            {"TMA": lambda: bwd_defines(), "registers": lambda: bwd_defines(*DKV_FROM_REGISTERS)},
+                            call, flops, rounds, reps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -283,7 +307,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
