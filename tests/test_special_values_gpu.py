@@ -200,9 +200,12 @@ def test_fp8_special_values_and_run_to_run(poison_allocations):
     again, again_lse = run(q, k)
     _same_bits("out run to run", again, out)
     _same_bits("lse run to run", again_lse, lse)
+    # The baseline for the NaN row is row 0 zeroed, not q itself: the original row 0 may hold its block's
+    # largest value (it did in about one run in twenty), and without it the block's scale is another.
+    base_out, base_lse = run(_set(q, (slice(None), 0), 0.0), k)
     bad_out, bad_lse = run(_with_special_rows(q, (np.nan,)), k)
-    _same_bits("out", bad_out[:, 1:], out[:, 1:])
-    _same_bits("lse", bad_lse[:, :, 1:], lse[:, :, 1:])
+    _same_bits("out", bad_out[:, 1:], base_out[:, 1:])
+    _same_bits("lse", bad_lse[:, :, 1:], base_lse[:, :, 1:])
     run(q, _set(k, (slice(None), 7, slice(None), 0), np.inf))
     cupy.cuda.Device().synchronize()
     _healthy("fa3")
