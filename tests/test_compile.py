@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cuflash import compile_report, heuristics
+from cuflash import compile_report, fa3, heuristics
 
 ARCHS = ("sm_80", "sm_90a")
 
@@ -167,12 +167,27 @@ def test_fa3_backward_machine_code(report):
         assert not bwd
         return
     # 2 dtypes x head dims 64, 96, 128 (fa3_bwd) and 192, 256 (fa3_bwd_wide) x softcap or not x fixed or
-    # variable length
-    assert len(bwd) == 40 and sum(r["kernel"] == "fa3_bwd_wide" for r in bwd) == 16
+    # variable length at 64 rows per step, and 2 dtypes x fixed or variable length at each head dim's rows
+    # of heuristics.FA3_BWD_BLOCK_M (without a softcap) where those are not 64
+    other_rows = sum(bm != fa3.BWD_BLOCK_M for bm in heuristics.FA3_BWD_BLOCK_M.values())
+    assert len(bwd) == 40 + 4 * other_rows and sum(r["kernel"] == "fa3_bwd_wide" for r in bwd) == 16
     for r in bwd:
         ops = r["opcodes"]
         assert ops["HGMMA"] >= 5 and ops["UTMALDG"] > 0 and ops["USETMAXREG"] > 0, r["name"]
         assert ops["UTMAREDG"] > 0, r["name"]
+
+
+def test_fa3_backward_rows_per_step():
+    """The FA3 backward's rows per step (fa3.bwd_block_m): the table's without a softcap, 64 with one (its
+    registers); every variant fits the shared memory, with two staged dQ tiles per consumer where they fit."""
+    for d in fa3.BWD_HEADDIMS:
+        assert fa3.bwd_block_m(d, softcap=True) == fa3.BWD_BLOCK_M
+        assert fa3.bwd_block_m(d, softcap=False) == heuristics.FA3_BWD_BLOCK_M.get(d, fa3.BWD_BLOCK_M)
+    for v in fa3.all_variants("sm_90a"):
+        if v.kernel == "fa3_bwd":
+            defines = dict(v.defines)
+            assert defines["CUFLASH_BLOCK_M"] % 16 == 0 and v.smem_bytes <= fa3.MAX_SMEM, v.name
+            assert defines["CUFLASH_DQ_STAGES"] in (1, 2), v.name
 
 
 def test_fp8_converts_with_the_e4m3_instruction(report):
