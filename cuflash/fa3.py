@@ -380,8 +380,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     block_n = bwd_block_n(dims.headdim)
     maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
             _dq_accum_map(dq_accum, block_m), _rows_map(lse_rows, block_m), _rows_map(dsum_rows, block_m))
-    if dims.headdim <= 128:  # bwd.cu stores dK and dV through them (each consumer its 64 keys)
-        maps += (_tensor_map(dk, 64), _tensor_map(dv, 64))
+    maps += (_tensor_map(dk, 64), _tensor_map(dv, 64))  # (the kernels store dK, dV through them in 64-row boxes)
     p = np.zeros(1, BWD_PARAMS)
     p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
     if varlen:

@@ -247,7 +247,7 @@ FA3_BWD_ROTATE_SM_FRACTION = 0.5
 # not causal / causal): d = 64 N = 2k 378 -> 405 / 316 -> 323, 8k 412 -> 449 / 393 -> 410 (128 rows,
 # 192 bytes spilled: 385 / 311, 410 / 392); d = 128 2k 461 -> 458 / 361 -> 357, 4k 479 -> 497 / 418 ->
 # 421, 8k 474 -> 513 / 457 -> 475, 16k 500 -> 527 / 489 -> 504.
-FA3_BWD_BLOCK_M = {64: 80, 96: 80, 128: 80}
+FA3_BWD_BLOCK_M = {64: 96, 96: 80, 128: 80}
 
 
 # impl="auto" takes the first implementation in this order that runs on the GPU and supports the call

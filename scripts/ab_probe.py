@@ -20,11 +20,11 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              d = 256's 80-key tiles spill 40 bytes without it under NVRTC 13.0: that column is pessimistic)
   bwd-dq     FA3 backward d = 64 and 128 N = 8k: as built, and without the dQ reduce-adds
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
-  bwd-det    FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: the default against the
+  bwd-det    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: the default against the
              deterministic mode (issue 5: within 15 %)
-  bwd-rows   FA3 backward d = 64 and 128, N = 2k ... 16k, causal and not: the rows per step of
-             heuristics.FA3_BWD_BLOCK_M against 64
-  bwd-dkv    FA3 backward d = 64 and 128, N = 2k and 8k, causal and not: dK / dV stored by TMA through
+  bwd-rows   FA3 backward d = 64, N = 2k ... 16k, causal and not: the rows per step of
+             heuristics.FA3_BWD_BLOCK_M against 80 and 64
+  bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv] [--rounds 5] [--reps 10]
@@ -129,7 +129,8 @@ def list_variants() -> list:
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
     with bwd_defines(*DKV_FROM_REGISTERS):
-        out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
+        out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128, 256)]
+    out += [fa3.bwd_variant(64, "bfloat16", block_m=bm) for bm in (64, 80)]  # bwd_rows' rows at d = 64
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -234,7 +235,7 @@ def bwd_det(rounds, reps):
     """FA3 backward, the default against the deterministic mode (issue 5: within 15 %)."""
     import cuflash
 
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for n in (2048, 8192):
             b, h, (q, k, v, do) = bench_shape(d, n, 4)
             for causal in (False, True):
@@ -257,29 +258,29 @@ def bwd_det(rounds, reps):
 
 
 def bwd_rows(rounds, reps):
-    """FA3 backward at d = 64 and 128, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 64."""
+    """FA3 backward at d = 64, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 80 and 64."""
     import cuflash
 
-    rows_64 = lambda: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.clear())  # noqa: E731
-    for d in (64, 128):
-        for n in (2048, 4096, 8192, 16384):
-            b, h, (q, k, v, do) = bench_shape(d, n, 4)
-            for causal in (False, True):
-                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
-                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+    d = 64
+    rows = lambda bm: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.update({d: bm}))  # noqa: E731
+    for n in (2048, 4096, 8192, 16384):
+        b, h, (q, k, v, do) = bench_shape(d, n, 4)
+        for causal in (False, True):
+            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
 
-                def call():
-                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
+            def call():
+                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
 
-                interleaved(f"fa3 backward d={d} N={n} causal={causal}", {"table": as_is, "64 rows": rows_64}, call,
-                            flops, rounds, reps)
+            configs = {"table": as_is, "80 rows": lambda: rows(80), "64 rows": lambda: rows(64)}
+            interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
 
 
 def bwd_dkv(rounds, reps):
     """FA3 backward: dK / dV stored by TMA through shared memory against from registers."""
     import cuflash
 
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for n in (2048, 8192):
             b, h, (q, k, v, do) = bench_shape(d, n, 4)
             for causal in (False, True):

@@ -6,7 +6,7 @@ accumulator registers per thread), which is why it is generated rather than writ
 """
 from pathlib import Path
 
-WIDTHS = (32, 64, 80, 128, 192, 256)  # 32: the wide backward's S^T and dP^T (64 keys x 32 queries); 80: FA3 d = 256 K tiles
+WIDTHS = (32, 64, 80, 96, 128, 192, 256)  # 32: the wide backward's S^T and dP^T (64 keys x 32 queries); 80: FA3 d = 256 K tiles and the backward's 80-row steps; 96: its 96-row steps (d = 64)
 FP8_WIDTHS = (64, 128, 256)  # the FP8 forward's S (128 keys) and O (d = 64, 128, 256)
 OUT = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_ops.cuh"
 

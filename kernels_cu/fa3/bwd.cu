@@ -113,40 +113,6 @@ static_assert(2 * DKV_BYTES <= 2 * STAGES * QB_BYTES, "both consumers' dK and dV
 // (sm.dout follows sm.q with no gap: both 1024-aligned, and the ring's stages are whole multiples of 1024)
 static_assert(QB_BYTES % 1024 == 0, "the (Q, dO) ring is one run of bytes");
 
-// Consumer c's dK (times the softmax scale) and dV to its staging area in the 128-byte swizzle of the
-// tensor maps (16-byte chunk j of row r at j ^ (r % 8): a warp's stores hit 32 banks), then one thread
-// stores the boxes; keys and columns past the tensor's end are clipped by TMA. First both consumers are
-// past their last GEMM on the ring (the barrier), and the staging must outlive the stores' reads.
-__device__ __forceinline__ void store_dkv_tma(Smem& sm, const TensorMap* map_dk, const TensorMap* map_dv,
-                                              const float (&dk)[DP / 2], const float (&dv)[DP / 2], float scale,
-                                              int c, int t, const Lane& ln, int n_block, int kv_head, int batch) {
-    unsigned char* dk_smem = sm.q[0] + c * DKV_BYTES;
-    unsigned char* dv_smem = dk_smem + DKV_BYTES / 2;
-    named_sync(DS_FREE_BAR, 256);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = 16 * ln.w + ln.g + 8 * r;
-#pragma unroll
-        for (int j = 0; j < DP / 8; ++j) {
-            const int at = (j / 8) * 64 * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * ln.q4;
-            *reinterpret_cast<u32*>(dk_smem + at) = elem_t::pack2(dk[4 * j + 2 * r] * scale, dk[4 * j + 2 * r + 1] * scale);
-            *reinterpret_cast<u32*>(dv_smem + at) = elem_t::pack2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
-        }
-    }
-    fence_async_smem();
-    named_sync(DQ_BAR + c, 128);
-    if (t == 0) {
-        const int key0 = n_block * BN + c * 64;
-#pragma unroll
-        for (int a = 0; a < ATOMS; ++a) {
-            tma_store_4d(map_dk, dk_smem + a * 64 * 128, a * 64, key0, kv_head, batch);
-            tma_store_4d(map_dv, dv_smem + a * 64 * 128, a * 64, key0, kv_head, batch);
-        }
-        tma_store_commit();
-        tma_store_wait_read();
-    }
-}
-
 // X^T Y^T for this consumer's 64 rows of X (K or V, [BN][D]) and the BM rows of Y (Q or dO, [BM][D]):
 // a 64 x BM accumulator, both operands K-major. Asynchronous: one commit group.
 // `onto_acc`: added to acc's values.
@@ -400,7 +366,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
 
     if constexpr (STORE_DKV_TMA) {
-        store_dkv_tma(sm, &map_dk, &map_dv, dk, dv, p.scale, c, t, ln, n_block, kv_head, batch);
+        named_sync(DS_FREE_BAR, 256);  // both consumers are past their last GEMM on the ring
+        store_dkv_tma<DP>(sm.q[0] + c * DKV_BYTES, &map_dk, &map_dv, dk, dv, p.scale, t, ln, DQ_BAR + c,
+                          /*col0=*/0, /*col_end=*/D, n_block * BN + c * 64, kv_head, batch);
         return;
     }
     // dK = scale * sum dS^T Q and dV for this thread's two keys; keys past the end are not stored. (The

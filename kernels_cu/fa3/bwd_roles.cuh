@@ -162,6 +162,44 @@ struct Lane {
     int w, g, q4;
 };
 
+// A consumer's dK (times the softmax scale) and dV accumulators, 64 keys x COLS columns, to `stage` (dK's
+// COLS / 64 atoms of [64][64], then dV's) in the 128-byte swizzle of the tensor maps (16-byte chunk j of
+// row r at j ^ (r % 8): a warp's stores hit 32 banks); then, after the consumer's named barrier `bar`, its
+// thread 0 stores the boxes at keys key0.. and columns col0.. that start before col_end (keys and columns
+// past the tensor's end are clipped by TMA) and waits until they have been read. The caller makes sure no
+// GEMM still reads `stage`.
+template <int COLS>
+__device__ __forceinline__ void store_dkv_tma(unsigned char* stage, const TensorMap* map_dk, const TensorMap* map_dv,
+                                              const float (&dk)[COLS / 2], const float (&dv)[COLS / 2], float scale,
+                                              int t, const Lane& ln, int bar, int col0, int col_end, int key0,
+                                              int kv_head, int batch) {
+    constexpr int ATOMS = COLS / 64;
+    unsigned char* dk_smem = stage;
+    unsigned char* dv_smem = stage + ATOMS * 64 * 128;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * ln.w + ln.g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < COLS / 8; ++j) {
+            const int at = (j / 8) * 64 * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * ln.q4;
+            *reinterpret_cast<u32*>(dk_smem + at) = elem_t::pack2(dk[4 * j + 2 * r] * scale, dk[4 * j + 2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dv_smem + at) = elem_t::pack2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+        }
+    }
+    fence_async_smem();
+    named_sync(bar, 128);
+    if (t == 0) {
+#pragma unroll
+        for (int a = 0; a < ATOMS; ++a) {
+            if (col0 + a * 64 >= col_end) break;
+            tma_store_4d(map_dk, dk_smem + a * 64 * 128, col0 + a * 64, key0, kv_head, batch);
+            tma_store_4d(map_dv, dv_smem + a * 64 * 128, col0 + a * 64, key0, kv_head, batch);
+        }
+        tma_store_commit();
+        tma_store_wait_read();
+    }
+}
+
 // The per-query-column values a thread needs from a block's rows (LSE or D), for the N query rows q0 .. q0 +
 // N - 1 of Q block m: v[j][e] = rows[q0 + 8 j + 2 q4 + e], `outside` for rows past the sequence. A whole
 // block (most) reads them as they are; only the last block of a sequence tests rows.

@@ -68,6 +68,17 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // (128) for its dQ tile.
 constexpr int PDS_FREE_BAR = 1, PDS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
 
+// The epilogue as fa3/bwd.cu's: dK and dV through shared memory by TMA (each consumer its HALF columns of
+// the block's keys, staged in the (Q, dO) slot), or from registers for packed batches.
+#ifndef CUFLASH_STORE_DKV_TMA
+#define CUFLASH_STORE_DKV_TMA (!CUFLASH_VARLEN)
+#endif
+constexpr bool STORE_DKV_TMA = CUFLASH_STORE_DKV_TMA;
+static_assert(!(STORE_DKV_TMA && VARLEN), "packed batches store dK / dV from registers");
+constexpr int DKV_BYTES = 2 * HALF * 64 * 2;  // a consumer's dK and dV for 64 keys
+static_assert(2 * DKV_BYTES <= 2 * STAGES * QB_BYTES && QB_BYTES % 1024 == 0,
+              "both consumers' dK and dV fit in the (Q, dO) slot, one run of bytes");
+
 // acc (64 keys x HALF) += A (64 keys x BM queries, a [key][query] tile in shared memory, K-major) Y (BM x
 // HALF: this consumer's two atoms of a [BM][D] tile, read MN-major).
 __device__ __forceinline__ void issue_acc_tile_y(float (&acc)[HALF / 2], const unsigned char* a_tile,
@@ -96,7 +107,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_bwd_wide(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
                  const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
                  const __grid_constant__ TensorMap map_dq, const __grid_constant__ TensorMap map_lse,
-                 const __grid_constant__ TensorMap map_dsum, const Fa3BwdParams p) {
+                 const __grid_constant__ TensorMap map_dsum, const __grid_constant__ TensorMap map_dk,
+                 const __grid_constant__ TensorMap map_dv, const Fa3BwdParams p) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = aligned_smem<Smem>(smem_raw);
 
@@ -228,6 +240,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
     }
 
+    if constexpr (STORE_DKV_TMA) {
+        named_sync(PDS_FREE_BAR, 256);  // both consumers are past their last GEMM on the slot
+        store_dkv_tma<HALF>(sm.q[0] + c * DKV_BYTES, &map_dk, &map_dv, dk, dv, p.scale, t, ln, DQ_BAR + c,
+                            /*col0=*/c * HALF, /*col_end=*/D, n_block * BN, kv_head, batch);
+        return;
+    }
     // dK = scale * sum dS^T Q and dV, this consumer's columns for this thread's two keys; keys past the end
     // and the padding's columns are not stored.
     const SeqInfo kv_seq = bwd_sequence<VARLEN>(p, batch);
