@@ -422,8 +422,9 @@ def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
 def varlen_row_pitch(total_q: int, batch: int) -> int:
     """Rows per head of the FA3 backward's padded LSE / D rows for a packed batch: sequence b starts at
     padded_seq_start(cu_q[b], b) = round_up(cu_q[b], 64) + 64 b (common/padded_rows.cuh) and the producer
-    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch (an
-    80-row block may end up to 16 rows later: TMA fills zeros past the buffer, and those rows are unused)."""
+    loads whole 64-row blocks from there, so the last block ends before round_up(total_q, 64) + 64 batch (a
+    block of BM > 64 rows may reach up to BM - 64 rows further, into the next sequence's rows or past the
+    buffer, where TMA fills zeros: rows the kernel never uses)."""
     return (total_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M + BWD_BLOCK_M * batch
 
 

@@ -240,13 +240,15 @@ FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILE
 # (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
 FA3_BWD_ROTATE_SM_FRACTION = 0.5
 # head dim -> query rows per step of the FA3 backward (fa3/bwd.cu) without a softcap (with one: 64, its
-# registers). FlashAttention-3's hopper/ backward runs d = 128 on 80 x 128
-# tiles with dQ computed transposed (without a mask): each step carries 25 % more rows over the same
-# barriers, LSE reads and dQ hand-offs. 80 rows leave shared memory for one staged dQ tile per consumer at
-# d = 96 / 128 (two at d = 64). H200 (scripts/ab_probe.py bwd-rows, session 15, TF/s with 64 -> 80 rows,
-# not causal / causal): d = 64 N = 2k 378 -> 405 / 316 -> 323, 8k 412 -> 449 / 393 -> 410 (128 rows,
-# 192 bytes spilled: 385 / 311, 410 / 392); d = 128 2k 461 -> 458 / 361 -> 357, 4k 479 -> 497 / 418 ->
-# 421, 8k 474 -> 513 / 457 -> 475, 16k 500 -> 527 / 489 -> 504.
+# registers). FlashAttention-3's hopper/ backward runs d = 128 on 80 x 128 tiles with dQ computed
+# transposed (without a mask): each step carries 25 % more rows over the same barriers, LSE reads and dQ
+# hand-offs. At d = 96 / 128, 80 rows leave shared memory for one staged dQ tile per consumer (two at
+# d = 64); 96 rows do not fit the registers there (S^T, dP^T 48 + dK, dV 64 each). H200
+# (scripts/ab_probe.py bwd-rows, session 15, TF/s, not causal / causal): d = 128, 64 -> 80 rows: N = 2k
+# 461 -> 458 / 361 -> 357, 4k 479 -> 497 / 418 -> 421, 8k 474 -> 513 / 457 -> 475, 16k 500 -> 527 /
+# 489 -> 504; d = 64, 64 -> 80 -> 96 rows: 2k 383 -> 414 -> 411 / 324 -> 331 -> 327, 4k 400 -> 431 -> 450
+# / 355 -> 370 -> 379, 8k 410 -> 435 -> 446 / 388 -> 414 -> 436, 16k 414 -> 445 -> 453 / 411 -> 433 ->
+# 454 (128 rows, 192 bytes spilled: no better than 64).
 FA3_BWD_BLOCK_M = {64: 96, 96: 80, 128: 80}
 
 

@@ -2,7 +2,7 @@
 // through an mbarrier ring, warp specialisation.
 //
 // A thread block owns BN = 128 keys of one (batch, KV head) and walks the query heads of its group and
-// the query blocks of BM rows (80, or 64: below) that see those keys. Three warpgroups:
+// the query blocks of BM rows (80 or 96, or 64: below) that see those keys. Three warpgroups:
 //   producer  (warpgroup 0): gives registers back; one thread TMA-loads K and V once, then streams the
 //             (Q, dO) blocks through a 2-stage ring ("full" / "empty" mbarriers); one thread per consumer
 //             (warps 1 and 2) adds that consumer's dQ tiles to the accumulator (below);
@@ -47,9 +47,9 @@
 constexpr int D = CUFLASH_HEADDIM;
 constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;
-// Query rows per step (heuristics.FA3_BWD_BLOCK_M): 80 (FlashAttention-3's tile at d = 128; 25 % more work
-// per step over the same barriers, LSE reads and dQ hand-offs than 64: +4-9 % on the H200), or 64 with a
-// softcap (registers). Other than 64, dQ is computed
+// Query rows per step (heuristics.FA3_BWD_BLOCK_M): 80 at d = 96 / 128 (FlashAttention-3's tile at d = 128)
+// and 96 at d = 64 -- more work per step over the same barriers, LSE reads and dQ hand-offs than 64: +4-12 %
+// on the H200 -- or 64 with a softcap (registers). Other than 64, dQ is computed
 // transposed, dQ^T = K^T dS^T (the head dim as the wgmma's M, which must be 64), and staged for its
 // writer from the transposed registers.
 constexpr int BM = CUFLASH_BLOCK_M;
@@ -70,7 +70,8 @@ constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 // dQ tiles per consumer in flight to its writer: two where the shared memory holds them (cuflash/fa3.py)
 constexpr int DQ_STAGES = CUFLASH_DQ_STAGES;
 constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;  // their DqTile records (written a step ahead of the tile)
-// dS^T is stored [key][query] in atoms of 64 queries (128-byte rows); at 80 rows the second atom holds 16.
+// dS^T is stored [key][query] in atoms of 64 queries (128-byte rows); at 80 / 96 rows the second atom holds
+// 16 / 32.
 constexpr int DS_ATOMS = (BM + 63) / 64;
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, DS_BYTES = DS_ATOMS * BN * 128;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // BM rows x 32 fp32 columns: one 128-byte-swizzled box
@@ -201,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // nested loops kept a head counter live, which ptxas spilled). The step's place within the head, qi,
         // and the head, h_i, are counted along (uniform registers) instead of divided out at every step.
         const int m_count = m_hi - m_lo, steps = group * m_count;
-        const float inv_scale_log2 = 1.f / p.scale_log2;  // (80 rows: FOLD_COLUMNS)
+        const float inv_scale_log2 = 1.f / p.scale_log2;  // (FOLD_COLUMNS)
         int qi = 0, h_i = 0;
         for (int i = 0; i < steps; ++i, qi = qi + 1 == m_count ? 0 : qi + 1, h_i += qi == 0) {
             const int m = step_q_block(p, qi, n_block, m_lo, m_hi), s = i % STAGES;
@@ -219,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             // The block's LSE and D columns are read before S^T and dP^T are issued: the wgmma waits order
             // every later load after them, and the first exponent waited on these reads (ncu: ~10 % of the
-            // d = 64 consumers' stall samples at the LDS and the FFMA behind it). At 80 rows the GEMMs start
+            // d = 64 consumers' stall samples at the LDS and the FFMA behind it). Above 64 rows the GEMMs start
             // from them instead, S^T from -lse / (scale log2 e) and dP^T from -D, so that neither is live
             // beside the accumulators (ptxas serialised the wgmmas there: too few registers); each starting
             // value in a register of its own (own_register: shared ones, copied beside the in-flight S^T
@@ -304,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // dQ (BM x D) = dS (BM x BN keys) K (BN keys x D), one 64-column atom of dQ per consumer over
             // all BN keys, so the block adds each dQ element once (per-consumer halves over 64 keys each
             // added twice the bytes); dq_atom says which. A = dS^T read MN-major from both halves of
-            // sm.ds, B = K MN-major (80 rows: the transpose, A = K^T and B = dS^T, both MN-major too); the
+            // sm.ds, B = K MN-major (above 64 rows: the transpose, A = K^T and B = dS^T, both MN-major too); the
             // descriptors advance from one base each (hoisting all 16 cost ptxas registers: spills). Then
             // (without a softcap) dK, whose wgmmas run while dQ is staged.
             const int a = dq_atom(c, i);

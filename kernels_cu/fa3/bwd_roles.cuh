@@ -182,7 +182,8 @@ __device__ __forceinline__ void store_dkv_tma(unsigned char* stage, const Tensor
 #pragma unroll
         for (int j = 0; j < COLS / 8; ++j) {
             const int at = (j / 8) * 64 * 128 + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * ln.q4;
-            *reinterpret_cast<u32*>(dk_smem + at) = elem_t::pack2(dk[4 * j + 2 * r] * scale, dk[4 * j + 2 * r + 1] * scale);
+            *reinterpret_cast<u32*>(dk_smem + at) =
+                elem_t::pack2(dk[4 * j + 2 * r] * scale, dk[4 * j + 2 * r + 1] * scale);
             *reinterpret_cast<u32*>(dv_smem + at) = elem_t::pack2(dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
         }
     }
