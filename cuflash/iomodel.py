@@ -50,10 +50,10 @@ and tile sizes (``cuflash.heuristics`` by default):
 ``fa3`` backward -- FA2's three kernels with FA3's main kernel (fa3/bwd.cu; fa3/bwd_wide.cu above d = 128):
     one block per (batch, KV head, K block of BLOCK_N = ``fa3.bwd_block_n``: 128 keys, 64 above d = 128)
     loads K and V once (not when no Q block sees them) and streams (Q, dO) blocks of BLOCK_M rows
-    (``fa3.bwd_block_m`` of a call without softcap: 96 at d = 64, 80 at d = 96 and 128, 64 above) with their LSE and D rows. Those come
-    from copies in rows padded to a multiple of BLOCK_M (``bwd_preprocess`` also reads the LSE and writes
-    ``lse_rows``), loaded as whole blocks. dQ tiles go to the fp32 accumulator by TMA
-    reduce-add (a read and a write per visit, as FA2's atomics); dK, dV are summed over the group in
+    (``fa3.bwd_block_m`` of a call without softcap: 96 at d = 64, 80 at d = 96 and 128, 64 above) with
+    their LSE and D rows. Those come from copies in rows padded to a multiple of BLOCK_M (``bwd_preprocess``
+    also reads the LSE and writes ``lse_rows``), loaded as whole blocks. dQ tiles go to the fp32 accumulator
+    by TMA reduce-add (a read and a write per visit, as FA2's atomics); dK, dV are summed over the group in
     registers and written once. The deterministic mode's counters are not counted.
 
 ``decode`` -- ``flash_attn_with_kvcache`` on a contiguous cache that already holds the keys (kv_append and
