@@ -232,68 +232,51 @@ def bwd_dq(rounds, reps):
         interleaved(f"fa3 backward d={d} N=8k", configs, call, flops, rounds, reps)
 
 
-def bwd_det(rounds, reps):
-    """FA3 backward, the default against the deterministic mode (issue 5: within 15 %)."""
+def bwd_interleaved(configs, headdims, seqlens, rounds, reps, extra_kwargs=dict):
+    """FA3 backward on the benchmark shapes at each head dim, length and mask (causal and not), ``configs``
+    interleaved; ``extra_kwargs()``, read as each config's call is built, adds flash_attn_backward
+    arguments."""
     import cuflash
 
-    for d in (64, 128, 256):
-        for n in (2048, 8192):
+    for d in headdims:
+        for n in seqlens:
             b, h, (q, k, v, do) = bench_shape(d, n, 4)
             for causal in (False, True):
                 out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
                 flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-                mode = {}
-
-                @contextmanager
-                def deterministic():
-                    mode["deterministic"] = True
-                    yield
-                    mode.clear()
 
                 def call():
-                    kw = dict(causal=causal, impl="fa3", deterministic=mode.get("deterministic", False))
+                    kw = dict(causal=causal, impl="fa3", **extra_kwargs())
                     return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, **kw)
 
-                interleaved(f"fa3 backward d={d} N={n} causal={causal}",
-                            {"default": as_is, "deterministic": deterministic}, call, flops, rounds, reps)
+                interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
+
+
+def bwd_det(rounds, reps):
+    """FA3 backward, the default against the deterministic mode (issue 5: within 15 %)."""
+    mode = {}
+
+    @contextmanager
+    def deterministic():
+        mode["deterministic"] = True
+        yield
+        mode.clear()
+
+    bwd_interleaved({"default": as_is, "deterministic": deterministic}, (64, 128, 256), (2048, 8192), rounds, reps,
+                    extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
 
 
 def bwd_rows(rounds, reps):
     """FA3 backward at d = 64, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 80 and 64."""
-    import cuflash
-
-    d = 64
-    rows = lambda bm: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.update({d: bm}))  # noqa: E731
-    for n in (2048, 4096, 8192, 16384):
-        b, h, (q, k, v, do) = bench_shape(d, n, 4)
-        for causal in (False, True):
-            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
-            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-
-            def call():
-                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
-
-            configs = {"table": as_is, "80 rows": lambda: rows(80), "64 rows": lambda: rows(64)}
-            interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
+    rows = lambda bm: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.update({64: bm}))  # noqa: E731
+    configs = {"table": as_is, "80 rows": lambda: rows(80), "64 rows": lambda: rows(64)}
+    bwd_interleaved(configs, (64,), (2048, 4096, 8192, 16384), rounds, reps)
 
 
 def bwd_dkv(rounds, reps):
     """FA3 backward: dK / dV stored by TMA through shared memory against from registers."""
-    import cuflash
-
-    for d in (64, 128, 256):
-        for n in (2048, 8192):
-            b, h, (q, k, v, do) = bench_shape(d, n, 4)
-            for causal in (False, True):
-                out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
-                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-
-                def call():
-                    return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, causal=causal, impl="fa3")
-
-                interleaved(f"fa3 backward d={d} N={n} causal={causal}",
-                            {"TMA": lambda: bwd_defines(), "registers": lambda: bwd_defines(*DKV_FROM_REGISTERS)},
-                            call, flops, rounds, reps)
+    configs = {"TMA": lambda: bwd_defines(), "registers": lambda: bwd_defines(*DKV_FROM_REGISTERS)}
+    bwd_interleaved(configs, (64, 128, 256), (2048, 8192), rounds, reps)
 
 
 def main():
