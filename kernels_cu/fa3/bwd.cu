@@ -40,7 +40,7 @@
 // Not yet: dropout, a persistent schedule, overlap between the consumers (bench/NOTES.md).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128; 192 and 256: fa3/bwd_wide.cu),
-// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_BLOCK_M (64/80), CUFLASH_DQ_STAGES,
+// CUFLASH_DTYPE, CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN (0/1), CUFLASH_BLOCK_M (64/80/96), CUFLASH_DQ_STAGES,
 // CUFLASH_SMEM_BYTES.
 #include "fa3/bwd_roles.cuh"
 
@@ -49,9 +49,9 @@ constexpr bool SOFTCAP = CUFLASH_SOFTCAP;
 constexpr bool VARLEN = CUFLASH_VARLEN;
 // Query rows per step (heuristics.FA3_BWD_BLOCK_M): 80 at d = 96 / 128 (FlashAttention-3's tile at d = 128)
 // and 96 at d = 64 -- more work per step over the same barriers, LSE reads and dQ hand-offs than 64: +4-12 %
-// on the H200 -- or 64 with a softcap (registers). Other than 64, dQ is computed
-// transposed, dQ^T = K^T dS^T (the head dim as the wgmma's M, which must be 64), and staged for its
-// writer from the transposed registers.
+// on the H200 -- or 64 with a softcap (registers). Other than 64, dQ is computed transposed, dQ^T = K^T
+// dS^T (the head dim as the wgmma's M, which must be 64), and staged for its writer from the transposed
+// registers.
 constexpr int BM = CUFLASH_BLOCK_M;
 constexpr bool DQ_TRANSPOSED = BM != 64;
 constexpr int BN = 128;  // keys per thread block: two consumer warpgroups x 64
