@@ -128,7 +128,7 @@ def list_variants() -> list:
             with config():  # (the experiments' calls have 8k rows: the long-row tiles)
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True))
     with bwd_defines(*NO_DQ_ADD):
-        out += [fa3.bwd_variant(d, "bfloat16") for d in (64, 128)]
+        out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
     with bwd_defines(*DKV_FROM_REGISTERS):
         out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128, 256)]
     out += [fa3.bwd_variant(64, "bfloat16", block_m=bm) for bm in (64, 80)]  # bwd_rows' rows at d = 64

@@ -110,7 +110,7 @@ def _occupancy_info(impl: str, direction: str, headdim: int, dtype: str, causal:
         variant = decode.fwd_variant(headdim, dtype, paged=False)
     elif impl == "fa3":  # the forward's persistent grid is about one block per SM: its wave is the grid
         variant = (fa3.fwd_variant(headdim, dtype, unmasked=not causal) if direction == "forward"
-                   else fa3.bwd_variant(headdim, dtype))
+                   else fa3.bwd_variant(headdim, dtype, block_m=fa3.bwd_block_m(headdim, softcap=False)))
     else:
         family = fa1 if impl == "fa1" else fa2
         variant = (family.fwd_variant if direction == "forward" else family.bwd_variant)(headdim, dtype)
