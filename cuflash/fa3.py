@@ -182,10 +182,10 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         return 2 * kv_bytes + 4 * qd_bytes + ds_bytes + dq_bytes + lse_bytes + records + barriers + 2048  # + alignment
 
     dq_stages = 2 if smem_bytes(2) <= MAX_SMEM else 1
+    smem = smem_bytes(dq_stages)
     return Variant(FAMILY, "fa3/bwd.cu", "fa3_bwd",
                    defines + (("CUFLASH_BLOCK_M", block_m), ("CUFLASH_DQ_STAGES", dq_stages),
-                              ("CUFLASH_SMEM_BYTES", smem_bytes(dq_stages))), threads=THREADS,
-                   smem_bytes=smem_bytes(dq_stages))
+                              ("CUFLASH_SMEM_BYTES", smem)), threads=THREADS, smem_bytes=smem)
 
 
 def _row_kinds(headdim: int) -> list[tuple[bool, bool]]:

@@ -101,14 +101,9 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // Named barriers: both consumers (256 threads) around the shared dS^T, and per consumer (128) for its dQ tile.
 constexpr int DS_FREE_BAR = 1, DS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
 
-// The epilogue: dK and dV through shared memory and TMA stores (coalesced, and the block need not wait for
-// them), or (packed batches, where the rows past a sequence are the next one's) from registers.
-#ifndef CUFLASH_STORE_DKV_TMA
-#define CUFLASH_STORE_DKV_TMA (!CUFLASH_VARLEN)
-#endif
+// The epilogue (bwd_roles.cuh: CUFLASH_STORE_DKV_TMA): each consumer stages its 64 keys of dK and of dV
+// (ATOMS atoms of [64][64] each) in the (Q, dO) ring.
 constexpr bool STORE_DKV_TMA = CUFLASH_STORE_DKV_TMA;
-static_assert(!(STORE_DKV_TMA && VARLEN), "packed batches store dK / dV from registers");
-// Each consumer stages its 64 keys of dK and of dV (ATOMS atoms of [64][64] each) in the (Q, dO) ring.
 constexpr int DKV_BYTES = 2 * ATOMS * 64 * 128;
 static_assert(2 * DKV_BYTES <= 2 * STAGES * QB_BYTES, "both consumers' dK and dV fit in the (Q, dO) ring");
 // (sm.dout follows sm.q with no gap: both 1024-aligned, and the ring's stages are whole multiples of 1024)
@@ -344,17 +339,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                 *reinterpret_cast<float*>(dq_tile + (col / 32) * DQ_BOX_BYTES + r * 128 + chunk * 16 +
                                                           4 * (col % 4)) = dq[4 * j + 2 * hh + e];
                             }
-                } else {  // float2 stores, two wavefronts per warp
-#pragma unroll
-                    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-                        for (int hh = 0; hh < 2; ++hh) {
-                            const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
-                            const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
-                            *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 +
-                                                       8 * (ln.q4 % 2)) =
-                                make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-                        }
+                } else {
+                    stage_dq_rows<DQ_BOX_BYTES>(dq_tile, dq, ln);
                 }
                 fence_async_smem();
                 named_sync(DQ_BAR + c, 128);

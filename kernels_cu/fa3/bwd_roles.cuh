@@ -19,6 +19,14 @@
 #include "common/seqlen.cuh"
 #include "fa3/params.cuh"
 
+// The kernels' epilogue: dK and dV through shared memory and TMA stores (coalesced, and the block need not
+// wait for them; store_dkv_tma), or (packed batches, where the rows past a sequence are the next one's)
+// from registers. 0 is a timing probe's setting (scripts/ab_probe.py bwd-dkv).
+#ifndef CUFLASH_STORE_DKV_TMA
+#define CUFLASH_STORE_DKV_TMA (!CUFLASH_VARLEN)
+#endif
+static_assert(!(CUFLASH_STORE_DKV_TMA && CUFLASH_VARLEN), "packed batches store dK / dV from registers");
+
 #ifndef CUFLASH_PROBE_NO_DQ_ADD  // a timing probe only (write_dq_tiles)
 #define CUFLASH_PROBE_NO_DQ_ADD 0
 #endif
@@ -161,6 +169,22 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
 struct Lane {
     int w, g, q4;
 };
+
+// A 64-row dQ accumulator (2 N fp32 columns; this thread's rows 16 w + g and + 8, columns 8 j + 2 q4 and + 1)
+// into its staging `tile`: boxes of the dQ tensor map of 32 columns each, BOX_BYTES apart, in the 128-byte
+// swizzle (16-byte chunk ch of row r at ch ^ (r % 8)); float2 stores, two wavefronts per warp.
+template <int BOX_BYTES, int N>
+__device__ __forceinline__ void stage_dq_rows(unsigned char* tile, const float (&dq)[N], const Lane& ln) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
+            const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
+            *reinterpret_cast<float2*>(tile + box * BOX_BYTES + r * 128 + chunk * 16 + 8 * (ln.q4 % 2)) =
+                make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
+        }
+}
 
 // A consumer's dK (times the softmax scale) and dV accumulators, 64 keys x COLS columns, to `stage` (dK's
 // COLS / 64 atoms of [64][64], then dV's) in the 128-byte swizzle of the tensor maps (16-byte chunk j of

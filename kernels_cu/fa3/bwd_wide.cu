@@ -68,13 +68,9 @@ static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks fo
 // (128) for its dQ tile.
 constexpr int PDS_FREE_BAR = 1, PDS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
 
-// The epilogue as fa3/bwd.cu's: dK and dV through shared memory by TMA (each consumer its HALF columns of
-// the block's keys, staged in the (Q, dO) slot), or from registers for packed batches.
-#ifndef CUFLASH_STORE_DKV_TMA
-#define CUFLASH_STORE_DKV_TMA (!CUFLASH_VARLEN)
-#endif
+// The epilogue as fa3/bwd.cu's (bwd_roles.cuh: CUFLASH_STORE_DKV_TMA): each consumer stages its HALF columns
+// of dK and dV for the block's keys in the (Q, dO) slot.
 constexpr bool STORE_DKV_TMA = CUFLASH_STORE_DKV_TMA;
-static_assert(!(STORE_DKV_TMA && VARLEN), "packed batches store dK / dV from registers");
 constexpr int DKV_BYTES = 2 * HALF * 64 * 2;  // a consumer's dK and dV for 64 keys
 static_assert(2 * DKV_BYTES <= 2 * STAGES * QB_BYTES && QB_BYTES % 1024 == 0,
               "both consumers' dK and dV fit in the (Q, dO) slot, one run of bytes");
@@ -222,18 +218,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_wait<0>();  // dQ
             wgmma_fence_regs(dq);
 
-            // dQ into the staging buffer as DQ_BOXES boxes of the dQ tensor map (64 rows x 32 fp32, 128-byte
-            // swizzle: 16-byte chunk ch of row r at ch ^ (r % 8)); float2 stores.
+            // dQ into the staging buffer as DQ_BOXES boxes of the dQ tensor map (64 rows x 32 fp32)
             unsigned char* dq_tile = sm.dq[c][i % DQ_STAGES];
-#pragma unroll
-            for (int j = 0; j < HALF / 8; ++j)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int r = 16 * ln.w + ln.g + 8 * hh, box = j / 4;
-                    const int chunk = (2 * (j % 4) + ln.q4 / 2) ^ (r % 8);
-                    *reinterpret_cast<float2*>(dq_tile + box * DQ_BOX_BYTES + r * 128 + chunk * 16 + 8 * (ln.q4 % 2)) =
-                        make_float2(dq[4 * j + 2 * hh], dq[4 * j + 2 * hh + 1]);
-                }
+            stage_dq_rows<DQ_BOX_BYTES>(dq_tile, dq, ln);
             fence_async_smem();
             named_sync(DQ_BAR + c, 128);
             if (t == 0) mbar_arrive(&sm.dq_full[c][i % DQ_STAGES]);  // to this consumer's dQ writer
