@@ -274,7 +274,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
-    p["l2_section_kib"] = heuristics.FA3_L2_SECTION_KIB
+    p["l2_section_kib"] = heuristics.fa3_l2_section_kib(dims.headdim)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
@@ -324,7 +324,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
                                vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
     map_o = _tensor_map(out, 64)
     p = np.zeros(1, PARAMS)
-    p["l2_section_kib"] = heuristics.FA3_L2_SECTION_KIB
+    p["l2_section_kib"] = heuristics.FA3_FP8_L2_SECTION_KIB
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     fill_strides(p, "o", out)
     fill_row_strides(p, dims, None)

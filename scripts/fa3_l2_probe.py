@@ -1,5 +1,5 @@
-"""A/B of the FA3 forward's L2 section budget (heuristics.FA3_L2_SECTION_KIB: how much K/V the persistent
-scheduler's concurrently running (head, batch) pairs share in L2), in one process: bf16, FlashAttention
+"""A/B of the FA3 forward's L2 section budget (heuristics.FA3_L2_SECTION_KIB, per head dim: how much K/V the
+persistent scheduler's concurrently running (head, batch) pairs share in L2), in one process: bf16, FlashAttention
 benchmark shapes (16k tokens, hidden 2048), causal and not, torch's cuDNN backend beside. Prints TF/s per
 budget and the heads per section each budget gives (a budget changes the timing only where it changes that).
 
@@ -8,7 +8,7 @@ the end of each round (an A/A pair: the spread between its two columns is the no
 timed each budget once, in a fixed order, saw the first one fastest by up to 13 % where two budgets gave
 the same sections (session 10).
 
-    python scripts/fa3_l2_probe.py [--headdims 128] [--seqlens 8192,16384] [--mib 8,16,32,48] [--rounds 5]
+    python scripts/fa3_l2_probe.py [--headdims 128] [--seqlens 8192,16384] [--mib 2,4,8,32] [--rounds 5]
 """
 import argparse
 
@@ -33,7 +33,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--headdims", type=ints, default=[128])
     parser.add_argument("--seqlens", type=ints, default=[8192, 16384])
-    parser.add_argument("--mib", type=ints, default=[8, 16, 32, 48])
+    parser.add_argument("--mib", type=ints, default=[2, 4, 8, 32])
     parser.add_argument("--reps", type=int, default=10, help="timed calls per budget per round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
@@ -54,7 +54,8 @@ def main():
                         order = list(range(len(budgets) - 1))
                         order = order[r % len(order):] + order[:r % len(order)] + [len(budgets) - 1]
                         for i in order:
-                            heuristics.FA3_L2_SECTION_KIB = budgets[i] * 1024  # cuflash.fa3 reads it per call
+                            # (cuflash.fa3 reads the table per call)
+                            heuristics.FA3_L2_SECTION_KIB = {hd: budgets[i] * 1024 for hd in table}
                             times[i].append(time_fn(
                                 lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 2, args.reps))
                     cells = []

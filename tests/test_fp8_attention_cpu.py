@@ -186,25 +186,30 @@ def test_reference_takes_the_quantiser_s_output():
 
 @pytest.mark.parametrize("case", REF_CASES, ids=REF_IDS)
 def test_score_error_bound_is_the_largest_absolute_product_sum(case):
-    """fp8_score_error_bound = scale * max over (head, query, key of the head's group) of sum_i |q_i k_i|,
-    times (d / 32) 2^-14: computed directly here, query head by query head (GQA groups adjacent)."""
+    """fp8_score_error_bound = scale * max over (head, query, key of the head's group) of
+    (d / 32) sum_i |q_i k_i| + (d / 4) |sum_i q_i k_i| (the second term only with aligned=True), times
+    2^-14: computed directly here, query head by query head (GQA groups adjacent)."""
     b, sq, sk, h, hkv, d, nq, nk, q_block, kv_block, _ = case
     rng = np.random.default_rng(sum(case[:6]) + 1)
     qd, kd, _, qs, ks, _ = fp8_inputs(rng, b, sq, sk, h, hkv, d, nq, nk)
     value = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    largest = 0.0
+    largest = {True: 0.0, False: 0.0}
     for bi in range(b):
         for hi in range(h):
             hk = hi // (h // hkv)
             for i in range(sq):
-                qx = np.abs(value[qd[bi, i, hi]] * qs[bi, hi, 0 if qs.shape[2] == 1 else i // q_block])
+                qx = value[qd[bi, i, hi]] * qs[bi, hi, 0 if qs.shape[2] == 1 else i // q_block]
                 for j in range(sk):
-                    kx = np.abs(value[kd[bi, j, hk]] * ks[bi, hk, 0 if ks.shape[2] == 1 else j // kv_block])
-                    largest = max(largest, float(qx @ kx))
+                    kx = value[kd[bi, j, hk]] * ks[bi, hk, 0 if ks.shape[2] == 1 else j // kv_block]
+                    random_part = (d / 32) * float(np.abs(qx) @ np.abs(kx))
+                    largest[False] = max(largest[False], random_part)
+                    largest[True] = max(largest[True], random_part + (d / 4) * abs(float(qx @ kx)))
     for scale in (None, 0.7):
-        want = (1 / math.sqrt(d) if scale is None else scale) * largest * (d / 32) * 2.0 ** -14
-        got = ref.fp8_score_error_bound(qd, kd, qs, ks, descale_block=(q_block, kv_block), softmax_scale=scale)
-        assert got == pytest.approx(want, rel=1e-12)
+        for aligned in (True, False):
+            want = (1 / math.sqrt(d) if scale is None else scale) * largest[aligned] * 2.0 ** -14
+            got = ref.fp8_score_error_bound(qd, kd, qs, ks, descale_block=(q_block, kv_block), softmax_scale=scale,
+                                            aligned=aligned)
+            assert got == pytest.approx(want, rel=1e-12)
 
 
 def test_reference_refuses_a_descale_of_the_wrong_shape():

@@ -267,9 +267,9 @@ def test_fa3_forward_equals_explicit_tile_loop(case, kv_heads, wave):
 
 
 def test_fa3_tile_order_sections():
-    """TileScheduler's order: one section (causal, pairs fewer than half the grid, or K/V that fit 32 MB
-    together) runs last query blocks first across all pairs; long K/V (64k keys x d = 128: 32 MB per head)
-    make one-pair sections, each pair's blocks in a row."""
+    """TileScheduler's order: one section (causal, pairs fewer than half the grid, or K/V that fit the
+    section budget together: heuristics.fa3_l2_section_kib) runs last query blocks first across all pairs;
+    long K/V (64k keys x d = 128: 32 MB per head) make one-pair sections, each pair's blocks in a row."""
     def order(seqlen, causal, heads, grid):
         s = iomodel._Shape(1, heads, heads, seqlen, seqlen, 128, causal, (-1, -1), 2)
         return list(iomodel._fa3_tile_order(s, seqlen // 128, heads, grid, False))

@@ -165,11 +165,13 @@ def _bf16_scores(raw, scale):
 
 
 def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scores=_bf16_scores,
-                       low_p=_round_bf16, out_given=None):
+                       low_p=_round_bf16, out_given=None, fp8_bound=False):
     """Attention of one sequence: q, dout (sq, H, D); k, v (sk, Hkv, D) bf16 (or float32) views (sk may
     pass 2^22).
 
-    Returns a dict of float32 CuPy arrays: out / out_low (sq, H, D), lse (H, sq); with ``dout`` also
+    Returns a dict of float32 CuPy arrays: out / out_low (sq, H, D), lse (H, sq) and "fp8_bound": with
+    ``fp8_bound``, reference.fp8_score_error_bound (aligned keys' term included) over the visible (query,
+    key) pairs, else 0; with ``dout`` also
     dq / dq_low (sq, H, D), and with ``got_dk`` / ``got_dv`` (the kernel's (sk, Hkv, D) gradients)
     the _Tally of each, already fed. The low-precision model rounds the scores with ``low_scores(raw,
     scale)`` and P with ``low_p`` (bf16 both by default; the FP8 kernel: exact scores, P in e4m3).
@@ -212,7 +214,7 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scor
                 hidden = cupy.arange(s, e)[None, :] > last_visible[:, None]
                 s32 = cupy.where(hidden[None], -cupy.inf, s32).astype(f32)
                 slow = cupy.where(hidden[None], -cupy.inf, slow).astype(f32)
-            yield s, kc, vc, s32, slow
+            yield s, kc, vc, s32, slow, raw
 
     def online(m, l, acc, s, vc):
         m_new = cupy.maximum(m, s.max(axis=-1))
@@ -230,9 +232,15 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scor
     l = cupy.zeros((hkv, rows), dtype=cupy.float64)
     l_low = l.copy()
     acc = cupy.zeros((hkv, rows, d), dtype=cupy.float64)
-    for _, _, vc, s32, slow in chunks():
+    magnitude = 0.0
+    for s, kc, vc, s32, slow, raw in chunks():
         m, l, acc = online(m, l, acc, s32, vc)
         m_low, l_low, _ = online(m_low, l_low, None, slow, None)
+        if fp8_bound:
+            units = ref.fp8_score_error_units(d, cupy.matmul(cupy.abs(qr), cupy.abs(kc).transpose(0, 2, 1)), raw)
+            if causal:
+                units = cupy.where(cupy.arange(s, s + kc.shape[1])[None, None, :] > last_visible[None, :, None], 0, units)
+            magnitude = max(magnitude, float(units.max()) * scale * 2.0**-14)
     lse = (m + cupy.log(l)).astype(f32)  # rows that see no key: -inf
     lse_low = (m_low + cupy.log(l_low)).astype(f32)
     # exp(s - lse) with s = lse = -inf would be NaN: such rows (no visible key) get P = exp(-inf - 0) = 0
@@ -244,14 +252,14 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scor
     dor = stack(dout) if dout is not None else None
     acc_low = cupy.zeros((hkv, rows, d), dtype=cupy.float64)
     delta_low = cupy.zeros((hkv, rows), dtype=cupy.float64)
-    for _, _, vc, _, slow in chunks():
+    for _, _, vc, _, slow, _ in chunks():
         p_low = low_p(cupy.exp(slow - lse_low_safe[..., None]))
         acc_low += cupy.matmul(p_low, vc)
         if dor is not None:
             dp_low = _round_bf16(cupy.matmul(dor, vc.transpose(0, 2, 1)))
             delta_low += (p_low * dp_low).sum(axis=-1, dtype=cupy.float64)
     res = {"out": unstack(out_rows), "out_low": unstack(_round_bf16(acc_low)),
-           "lse": lse.reshape(hkv * g, sq)}
+           "lse": lse.reshape(hkv * g, sq), "fp8_bound": magnitude}
     if dor is None:
         return res
 
@@ -262,7 +270,7 @@ def _chunked_reference(q, k, v, dout, causal, got_dk=None, got_dv=None, low_scor
     dq = cupy.zeros((hkv, rows, d), dtype=cupy.float64)
     dq_low = cupy.zeros((hkv, rows, d), dtype=cupy.float64)
     tallies = {"dk": _Tally("dk"), "dv": _Tally("dv")}
-    for s, kc, vc, s32, slow in chunks():
+    for s, kc, vc, s32, slow, _ in chunks():
         p = cupy.exp(s32 - lse_safe[..., None])
         p_low = _round_bf16(cupy.exp(slow - lse_low_safe[..., None]))
         dp = cupy.matmul(dor, vc.transpose(0, 2, 1))
@@ -439,7 +447,9 @@ def test_fp8_kv_past_2_31_elements(poison_allocations, big_kv, causal):
     vf = dequantised(v8, vs)
     del k8, v8
     want = _chunked_reference(qf, kf, vf, None, causal, low_scores=lambda raw, scale: raw * scale,
-                              low_p=ref.round_e4m3)
+                              low_p=ref.round_e4m3, fp8_bound=True)
     del kf, vf
+    # as reference.check_fp8_attention: 1e-2, or twice the tensor cores' score error bound where larger;
+    # a needle's score is ~24 here and its row's LSE moves with it (CUFLASH_LARGE_SEED=409687613: 1.75e-2)
     ref.check_close("fp8 out", out[0], want["out"], want["out_low"], atol=1e-2)
-    ref.check_close("fp8 lse", lse[0], want["lse"], want["lse"], atol=LSE_ATOL + 1e-2)
+    ref.check_close("fp8 lse", lse[0], want["lse"], want["lse"], atol=LSE_ATOL + max(1e-2, 2 * want["fp8_bound"]))
