@@ -274,7 +274,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
-    p["l2_section_kib"] = heuristics.fa3_l2_section_kib(dims.headdim)
+    p["l2_section_kib"] = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr

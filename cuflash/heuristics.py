@@ -196,25 +196,38 @@ FA3_TILES_3WG = {
 FA3_3WG_MIN_MASKED_SEQLEN = 8192
 
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
-# of two) as fit their K and V in this many KiB run together, so the blocks of a round share K/V in L2
-# (kernels_cu/common/tile_scheduler.cuh). Head dim -> KiB; FP8 forwards take FA3_FP8_L2_SECTION_KIB.
-# Measured on the H200 (scripts/fa3_l2_probe.py, interleaved rounds, TF/s):
+# of two) as fit their K and V in a budget of KiB run together, so the blocks of a round share K/V in L2
+# (kernels_cu/common/tile_scheduler.cuh). Head dim -> ((longest seqlen_k, KiB), ...), the first row whose
+# length the call's keys do not pass, FA3_L2_SECTION_KIB_LONG beyond; FP8 forwards take
+# FA3_FP8_L2_SECTION_KIB. Measured on the H200 (scripts/fa3_l2_probe.py, interleaved rounds, TF/s):
 #   session 10: 4, 8, 16 and 32 MiB (1 to 16 heads per section) within 1-2 % of each other at d = 64 / 128 /
 #   256, N = 8k / 16k, causal and not.
-#   session 16, N = 2k / 4k, 32 MiB -> 2 MiB: d = 128 574 -> 636 / 588 -> 620, causal 486 -> 526 / 515 ->
-#   534; d = 256 631 -> 685 / 651 -> 722, causal level (457 / 592). ncu at d = 128, N = 2k: 623 MB read from
-#   device memory with 32 MiB (cuDNN: 201, the inputs once), i.e. the K/V of the 32 heads a round touched
-#   did not stay in L2. Causal d = 128 2k was 380 at 8 MiB and 450 at 16 MiB (sections of about one round
-#   of heavy-first tiles give the same blocks the heavy tiles every round). d = 64 (three consumer warpgroups,
-#   192-row tiles) goes the other way: 2k 459 at 32 MiB, 447 at 8, 381 at 2; causal level.
-FA3_L2_SECTION_KIB = {64: 32 * 1024, 96: 2 * 1024, 128: 2 * 1024, 192: 2 * 1024, 256: 2 * 1024}
+#   session 16, 32 MiB -> 2 MiB at N = 2k / 4k: d = 128 574 -> 636 / 588 -> 620, causal 486 -> 526 / 515 ->
+#   534; d = 256 631 -> 685 / 651 -> 722, causal level (457 / 592). ncu at d = 128, N = 2k: 623 MB read
+#   from device memory with 32 MiB (cuDNN: 201, the inputs once): the K/V of the 32 heads a round touched
+#   did not stay in L2. At d = 128 the prefill suite with 2 MiB everywhere lost at short rows (N = 512
+#   0.86 -> 0.70 of cuDNN, causal 1k 0.90 -> 0.74) while d = 256 gained there (causal 512 0.68 -> 0.84, 1k
+#   0.74 -> 0.87, non-causal 512 0.76 -> 0.83), and the probe read d = 128 N = 8k at 649 with 32 MiB against
+#   614-626 with 2. Causal d = 128 2k was 380 at 8 MiB and 450 at 16 MiB (sections of about one round of
+#   heavy-first tiles give the same blocks the heavy tiles every round). d = 64 (three consumer warpgroups,
+#   192-row tiles) goes the other way: 2k 459 at 32 MiB, 447 at 8, 381 at 2; causal level. d = 96 / 192
+#   follow d = 128 / 256 (not measured).
+FA3_L2_SECTION_KIB = {
+    96: ((1024, 32 * 1024), (4096, 2 * 1024)),
+    128: ((1024, 32 * 1024), (4096, 2 * 1024)),
+    192: ((1 << 30, 2 * 1024),),
+    256: ((1 << 30, 2 * 1024),),
+}
+FA3_L2_SECTION_KIB_LONG = 32 * 1024  # and every length at d = 64
 FA3_FP8_L2_SECTION_KIB = 32 * 1024  # (not measured below 32 MiB)
 
 
-def fa3_l2_section_kib(headdim: int) -> int:
-    """FA3_L2_SECTION_KIB's budget at this head dim (a head dim the FA3 forward does not run -- models of
-    other shapes ask too -- takes the largest)."""
-    return FA3_L2_SECTION_KIB.get(headdim, max(FA3_L2_SECTION_KIB.values()))
+def fa3_l2_section_kib(headdim: int, seqlen_k: int) -> int:
+    """The bf16 / fp16 FA3 forward's L2 section budget (FA3_L2_SECTION_KIB) for keys of this length."""
+    for longest, kib in FA3_L2_SECTION_KIB.get(headdim, ()):
+        if seqlen_k <= longest:
+            return kib
+    return FA3_L2_SECTION_KIB_LONG
 
 
 # head dim -> FA3 FP8 forward tiles (e4m3 Q/K/V, kernels_cu/fa3/fwd.cu with CUFLASH_FP8). block_n is 128:

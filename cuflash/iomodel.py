@@ -337,7 +337,7 @@ def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool)
         section = pairs
     else:  # l2_section_heads: as many pairs as fit their K and V in the section budget, a power of two
         kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
-        fit, section = (heuristics.fa3_l2_section_kib(s.headdim) << 10) // max(kv_bytes, 1), 1
+        fit, section = (heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k) << 10) // max(kv_bytes, 1), 1
         while section * 2 <= fit and section < (1 << 20):
             section *= 2
     per_section = section * m_blocks

@@ -37,7 +37,7 @@ def main():
     parser.add_argument("--reps", type=int, default=10, help="timed calls per budget per round")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    table = heuristics.FA3_L2_SECTION_KIB
+    table, long = heuristics.FA3_L2_SECTION_KIB, heuristics.FA3_L2_SECTION_KIB_LONG
     rng = np.random.default_rng(0)
     try:
         for d in args.headdims:
@@ -54,8 +54,8 @@ def main():
                         order = list(range(len(budgets) - 1))
                         order = order[r % len(order):] + order[:r % len(order)] + [len(budgets) - 1]
                         for i in order:
-                            # (cuflash.fa3 reads the table per call)
-                            heuristics.FA3_L2_SECTION_KIB = {hd: budgets[i] * 1024 for hd in table}
+                            # (cuflash.fa3 reads the tables per call)
+                            heuristics.FA3_L2_SECTION_KIB, heuristics.FA3_L2_SECTION_KIB_LONG = {}, budgets[i] * 1024
                             times[i].append(time_fn(
                                 lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 2, args.reps))
                     cells = []
@@ -76,7 +76,7 @@ def main():
                         cells.append(f"(torch-cudnn not timed: {exc})")
                     print(f"d={d:3d} N={n:5d} causal={causal!s:5} " + " | ".join(cells), flush=True)
     finally:
-        heuristics.FA3_L2_SECTION_KIB = table
+        heuristics.FA3_L2_SECTION_KIB, heuristics.FA3_L2_SECTION_KIB_LONG = table, long
 
 
 if __name__ == "__main__":
