@@ -26,12 +26,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
-  fwd-mask   FA3 forward bf16 d = 64, 128 and 256, N = 2k, 4k and 8k, causal: the mask of an edge tile from
-             each row's span of visible keys (as built) against Mask::visible per element
-             (CUFLASH_ROW_SPAN_MASK=0)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-mask] [--rounds 5] [--reps 10]
+        [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -97,23 +94,6 @@ def defines_added(builder: str, *defines):
         setattr(fa3, builder, built)
 
 
-@contextmanager
-def defines_set(builder: str, **values):
-    """Variants from fa3.<builder> take these values of their defines (added where they have none)."""
-    built = getattr(fa3, builder)
-
-    def variant(*args, **kwargs):
-        v = built(*args, **kwargs)
-        kept = tuple((k, x) for k, x in v.defines if k not in values)
-        return dataclasses.replace(v, defines=kept + tuple(values.items()))
-
-    setattr(fa3, builder, variant)
-    try:
-        yield
-    finally:
-        setattr(fa3, builder, built)
-
-
 def bwd_defines(*defines):
     return defines_added("bwd_variant", *defines)
 
@@ -160,12 +140,6 @@ def list_variants() -> list:
                     window = _validate.window_bounds((-1, -1), causal, dims)
                     out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                                short_masked=fa3._short_masked(window, dims)))
-    with defines_set("fwd_variant", CUFLASH_ROW_SPAN_MASK=0):  # fwd_mask's
-        for d in BF16_HEADDIMS:
-            for n in (2048, 4096, 8192):
-                dims = _validate.Dims(1, n, n, 1, 1, d, "bfloat16")
-                window = _validate.window_bounds((-1, -1), True, dims)
-                out.append(fa3.fwd_variant(d, "bfloat16", unmasked=False, short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
 
@@ -305,20 +279,6 @@ def bwd_dkv(rounds, reps):
     bwd_interleaved(configs, (64, 128, 256), (2048, 8192), rounds, reps)
 
 
-def fwd_mask(rounds, reps):
-    """FA3 forward, causal: edge tiles masked from each row's span of visible keys (as built) against
-    Mask::visible per element."""
-    import cuflash
-
-    configs = {"row spans": as_is, "per element": lambda: defines_set("fwd_variant", CUFLASH_ROW_SPAN_MASK=0)}
-    for d in BF16_HEADDIMS:
-        for n in (2048, 4096, 8192):
-            b, h, (q, k, v) = bench_shape(d, n, 3)
-            flops = 4 * b * h * n * n * d / 2
-            interleaved(f"fa3 bf16 d={d} N={n} causal", configs,
-                        lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"), flops, rounds, reps)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -332,7 +292,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-mask": fwd_mask}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
