@@ -513,11 +513,11 @@ def fp8_score_error_units(d, abs_dot, dot=None):
     sum_i |q_i k_i| (``abs_dot``) and sum_i q_i k_i (``dot``; None: random keys only):
     (d / 32) sum_i |q_i k_i| + (d / 4) |sum_i q_i k_i|.
 
-    Measured on the H200 (tests/test_fp8_attention_gpu.py::test_score_error_within_bound, in units of
-    sum_i |q_i k_i|): a random key moved its score by up to 1.5 / 1.7 / 2.4 at d = 64 / 128 / 256, within
-    the first term (d / 32); a key that is a multiple of its query (every product positive, the running sum
-    as large as it gets) by up to 11.5 / 18.4 / 52, within both (d / 32 + d / 4 = 18 / 36 / 72): a dominant
-    "needle" key carries its row's LSE with it. For a random key |sum q k| is ~sqrt(d) times smaller than
+    Measured on the H200 (tests/test_fp8_attention_gpu.py::test_score_error_within_bound, two runs, in
+    units of sum_i |q_i k_i|): a random key moved its score by up to 1.5 / 2.4 / 4.3 at d = 64 / 128 / 256,
+    within the first term (d / 32 = 2 / 4 / 8); a key that is a multiple of its query (every product
+    positive, the running sum as large as it gets) by up to 11.5 / 20.7 / 52, within both (d / 32 + d / 4 =
+    18 / 36 / 72): a dominant "needle" key carries its row's LSE with it. For a random key |sum q k| is ~sqrt(d) times smaller than
     sum |q k|, so the second term adds little there.
     """
     units = (d / 32) * abs_dot
