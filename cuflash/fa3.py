@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _tma
 from ._interop import dtype_name
-from . import _bwd_aux, heuristics
+from . import _bwd_aux, heuristics, tile_order
 from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
@@ -43,7 +43,7 @@ PARAMS = np.dtype(
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
     + pointer_fields("q_descale", "k_descale", "v_descale")
     + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")]
-    + [("l2_section_kib", np.int32)],
+    + [("sched_section", np.int32), ("sched_serpentine", np.int32)],
     align=True,
 )
 FP8_TRANSPOSE_PARAMS = np.dtype(
@@ -274,7 +274,6 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
     map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
     p = np.zeros(1, PARAMS)
-    p["l2_section_kib"] = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     if cu_q is not None:
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
@@ -282,12 +281,27 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
-    if pack:
-        tiles = -(-dims.seqlen_q * group // block_m) * dims.kv_heads * dims.batch
-    else:
-        tiles = -(-dims.seqlen_q // block_m) * dims.heads * dims.batch
-    grid = (min(tiles, _sm_count()),)  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
-    launch(variant, grid, (map_q, map_k, map_v, map_o, p), stream)
+    budget = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
+    grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack)
+    launch(variant, (grid,), (map_q, map_k, map_v, map_o, p), stream)
+
+
+def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int,
+                  pack: bool = False) -> int:
+    """The persistent forward's tile order into ``p`` (sched_section, sched_serpentine: cuflash/tile_order.py
+    chooses them) for tiles of block_m query rows and block_n keys; returns the grid (one block per SM, at
+    most one per tile). ``pack``: GQA packing (a tile's rows are the (query, head) pairs of a KV head's
+    group)."""
+    group = dims.heads // dims.kv_heads
+    m_blocks = -(-dims.seqlen_q * (group if pack else 1) // block_m)
+    pairs = (dims.kv_heads if pack else dims.heads) * dims.batch
+    grid = min(m_blocks * pairs, _sm_count())  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
+    # K and V of a (head, batch) pair, rows of whole 128-byte atoms; a GQA group's query heads share them
+    kv_bytes = dims.seqlen_k * (-(-dims.headdim * elem_bytes // 128) * 128) * 2 // (1 if pack else group)
+    fit = tile_order.section_fit(kv_bytes, budget_kib << 10)
+    costs = tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window, group if pack else 1)
+    p["sched_section"], p["sched_serpentine"] = tile_order.choose(m_blocks, pairs, grid, fit, costs)
+    return grid
 
 
 def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int, kv_block: int, dims: Dims,
@@ -324,7 +338,6 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
                                vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
     map_o = _tensor_map(out, 64)
     p = np.zeros(1, PARAMS)
-    p["l2_section_kib"] = heuristics.FA3_FP8_L2_SECTION_KIB
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     fill_strides(p, "o", out)
     fill_row_strides(p, dims, None)
@@ -333,8 +346,8 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     p["q_descale"], p["k_descale"], p["v_descale"] = q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr
     p["q_descale_blocks"], p["q_descale_rows"] = q_descale.shape[2], q_block
     p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // FP8_BLOCK_N
-    tiles = -(-dims.seqlen_q // block_m) * dims.heads * dims.batch
-    launch(variant, (min(tiles, _sm_count()),), (map_q, map_k, map_vt, map_o, p), stream)
+    grid = fill_schedule(p, dims, window, block_m, t.block_n, 1, heuristics.FA3_FP8_L2_SECTION_KIB)
+    launch(variant, (grid,), (map_q, map_k, map_vt, map_o, p), stream)
 
 
 def _sm_count() -> int:

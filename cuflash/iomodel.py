@@ -100,7 +100,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from . import fa2, fa3, heuristics
+from . import fa2, fa3, heuristics, tile_order
 from ._validate import Dims, window_bounds
 from .reference import decode_split_tiles, kv_block_range, visible_key_span
 
@@ -327,26 +327,21 @@ def _atom_cols(d: int) -> int:
     return _cdiv(d, 64) * 64
 
 
-def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool):
-    """(m_block, head, batch) of each tile in TileScheduler's linear order (kernels_cu/common/tile_scheduler.cuh).
-    Round r of the persistent grid runs tiles [r·grid, (r + 1)·grid), one per block (the serpentine only
-    permutes a round), so waves of ``grid`` tiles. Sections of (head, batch) pairs come one after the other,
-    each from its last query block down, its heads fastest; the section size is fwd.cu's ``l2_section``."""
+def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool, block_m: int, block_n: int):
+    """(m_block, head, batch) of each tile in TileScheduler's linear order (kernels_cu/common/tile_scheduler.cuh)
+    with the section cuflash/fa3.py's fill_schedule chooses (cuflash/tile_order.py). Round r of the persistent
+    grid runs tiles [r·grid, (r + 1)·grid), one per block (the serpentine only permutes a round), so waves of
+    ``grid`` tiles. Sections of (head, batch) pairs come one after the other, each from its last query block
+    down, its heads fastest."""
     pairs = heads * s.batch
-    if not s.fa3_unmasked() and 2 * pairs < grid:
-        section = pairs
-    else:  # l2_section_heads: as many pairs as fit their K and V in the section budget, a power of two
-        kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
-        fit, section = (heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k) << 10) // max(kv_bytes, 1), 1
-        while section * 2 <= fit and section < (1 << 20):
-            section *= 2
-    per_section = section * m_blocks
-    for index in range(m_blocks * pairs):
-        first_pair = index // per_section * section
-        width = min(section, pairs - first_pair)
-        rest = index - first_pair * m_blocks
-        pair = first_pair + rest % width
-        yield m_blocks - 1 - rest // width, pair % heads, pair // heads
+    kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
+    fit = tile_order.section_fit(kv_bytes, heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k) << 10)
+    window = window_bounds(s.window, s.causal, s.dims())
+    costs = tile_order.tile_costs(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window, s.group if pack else 1)
+    section, _ = tile_order.choose(m_blocks, pairs, grid, fit, costs)
+    m_block, pair = tile_order.linear_order(m_blocks, pairs, section)
+    for m, p in zip(m_block.tolist(), pair.tolist()):
+        yield m, p % heads, p // heads
 
 
 def _fa3_forward(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], int, int, int]:
@@ -370,7 +365,7 @@ def _fa3_forward(s: _Shape, tiles: dict, wave_blocks) -> tuple[list[_Kernel], in
         kv_min = _distinct_rows([[(0, *r) for r in ranges]], None, bn, s.seqlen_k) * s.batch * s.kv_heads
     else:
         grid = min(n_tiles, wave_blocks)
-        order = _fa3_tile_order(s, n_m, tile_heads, grid, pack)
+        order = _fa3_tile_order(s, n_m, tile_heads, grid, pack, bm, bn)
         kv_min = _distinct_rows(([((b, h if pack else h // g), *ranges[m])] for m, h, b in order), grid, bn,
                                 s.seqlen_k)
 

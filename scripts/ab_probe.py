@@ -26,9 +26,12 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
+  fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 1k, 2k, 4k and 8k, causal: the tile order the host's
+             model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
+             of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [--rounds 5] [--reps 10]
+        [fwd-order] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -38,7 +41,7 @@ from contextlib import contextmanager
 
 import cupy
 
-from cuflash import _validate, fa3, heuristics
+from cuflash import _validate, fa3, heuristics, tile_order
 
 
 @contextmanager
@@ -279,6 +282,35 @@ def bwd_dkv(rounds, reps):
     bwd_interleaved(configs, (64, 128, 256), (2048, 8192), rounds, reps)
 
 
+@contextmanager
+def old_tile_order():
+    """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
+    fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
+    sections, the serpentine only when one holds every pair."""
+    chosen = tile_order.choose
+
+    def old(m_blocks, pairs, grid, fit, m_costs):
+        return (pairs, True) if m_costs is not None and 2 * pairs < grid else (fit, fit >= pairs)
+
+    tile_order.choose = old
+    try:
+        yield
+    finally:
+        tile_order.choose = chosen
+
+
+def fwd_order(rounds, reps):
+    """FA3 forward, causal: the model's tile order against the old rule."""
+    import cuflash
+
+    for d in BF16_HEADDIMS:
+        for n in (1024, 2048, 4096, 8192):
+            b, h, (q, k, v) = bench_shape(d, n, 3)
+            flops = 4 * b * h * n * n * d / 2
+            interleaved(f"fa3 bf16 d={d} N={n} causal", {"model": as_is, "old rule": old_tile_order},
+                        lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"), flops, rounds, reps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -292,7 +324,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

@@ -16,16 +16,8 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash import heuristics
+from cuflash import heuristics, tile_order
 from cuflash.bench import time_fn
-
-
-def section_heads(kv_bytes_per_head: int, budget: int) -> int:
-    """common/tile_scheduler.cuh's l2_section_heads (non-causal calls; GQA groups aside)."""
-    fit, section = budget // max(kv_bytes_per_head, 1), 1
-    while section * 2 <= fit and section < (1 << 20):
-        section *= 2
-    return section
 
 
 def main():
@@ -62,7 +54,7 @@ def main():
                     for mib, ms in zip(budgets, times):
                         ms = sorted(ms)
                         tf = [flops / t / 1e9 for t in (ms[len(ms) // 2], ms[-1], ms[0])]
-                        cells.append(f"{mib} MiB ({section_heads(kv_bytes, mib << 20)}h) {tf[0]:4.0f} [{tf[1]:.0f}-{tf[2]:.0f}]")
+                        cells.append(f"{mib} MiB ({tile_order.section_fit(kv_bytes, mib << 20)}h) {tf[0]:4.0f} [{tf[1]:.0f}-{tf[2]:.0f}]")
                     try:
                         import torch
                         from torch.nn.attention import SDPBackend, sdpa_kernel

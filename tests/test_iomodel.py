@@ -272,7 +272,7 @@ def test_fa3_tile_order_sections():
     long K/V (64k keys x d = 128: 32 MB per head) make one-pair sections, each pair's blocks in a row."""
     def order(seqlen, causal, heads, grid):
         s = iomodel._Shape(1, heads, heads, seqlen, seqlen, 128, causal, (-1, -1), 2)
-        return list(iomodel._fa3_tile_order(s, seqlen // 128, heads, grid, False))
+        return list(iomodel._fa3_tile_order(s, seqlen // 128, heads, grid, False, 128, 128))
 
     assert order(1024, True, 4, 132) == _fa3_order(4, 1, 8)
     assert order(1024, False, 4, 132) == _fa3_order(4, 1, 8)  # all 4 heads' K/V fit in 32 MB

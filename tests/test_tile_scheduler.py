@@ -4,13 +4,14 @@ the host (tests/cpp/scheduler_harness.cpp, g++) and walked for every block of a 
 Properties:
   * every (query block, head, batch) tile is visited exactly once over all blocks, for full and partial
     last rounds and sections that do or do not divide the (head, batch) pairs;
-  * rounds: block b takes position b of every round, except with a single section (serpentine), where
-    odd rounds give it position gridDim.x - 1 - b;
+  * rounds: block b takes position b of every round, except with the serpentine, where odd rounds give it
+    position gridDim.x - 1 - b;
   * L2 sections: the tiles of any section-long stretch of the order span at most `section` pairs, and
     within a section the query blocks come heaviest (last) first;
   * balance: with causal costs (query block m sees m + 1 key blocks) the busiest block's work stays within
     5 % of the mean and below a plain round-robin's over the same order (1.06 at 64 blocks x 32 pairs);
-  * ``l2_section_heads``: the largest power of two whose K/V fit in 32 MiB, at least one.
+  * the host's model of it (cuflash/tile_order.py): the same linear order and deal, tile costs as the
+    kernel's mask counts K tiles, sections within the L2 budget, and the choice of section and deal.
 """
 from __future__ import annotations
 
@@ -19,25 +20,27 @@ import ctypes
 import numpy as np
 import pytest
 
+from cuflash import tile_order
 from host_harness import build
 
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     lib = build("scheduler_harness.cpp", "common", tmp_path_factory.mktemp("scheduler_harness"))
-    lib.scheduler_walk.argtypes = [ctypes.c_int] * 5 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_longlong]
+    lib.scheduler_walk.argtypes = [ctypes.c_int] * 6 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_longlong]
     lib.scheduler_walk.restype = ctypes.c_longlong
-    lib.scheduler_section_heads.argtypes = [ctypes.c_longlong]
-    lib.scheduler_section_heads.restype = ctypes.c_int
     return lib
 
 
-def walk(lib, m_blocks, heads, batch, section, grid) -> np.ndarray:
-    """(tiles, 4) rows (block, m_block, head, batch) in each block's visiting order, blocks in order."""
+def walk(lib, m_blocks, heads, batch, section, grid, serpentine=None) -> np.ndarray:
+    """(tiles, 4) rows (block, m_block, head, batch) in each block's visiting order, blocks in order.
+    ``serpentine`` None: with a single section (the deal the host takes for equal tiles there)."""
+    if serpentine is None:
+        serpentine = section >= heads * batch
     cap = m_blocks * heads * batch + 1
     out = np.full((cap, 4), -7, np.int32)
-    n = lib.scheduler_walk(m_blocks, heads, batch, section, grid, out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
-                           cap)
+    n = lib.scheduler_walk(m_blocks, heads, batch, section, int(serpentine), grid,
+                           out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), cap)
     assert n >= 0, "the scheduler visited more tiles than exist"
     return out[:n]
 
@@ -56,9 +59,10 @@ SHAPES = [  # m_blocks, heads, batch, section, grid
 ]
 
 
+@pytest.mark.parametrize("serpentine", [False, True])
 @pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES)
-def test_every_tile_once_in_round_order(lib, m_blocks, heads, batch, section, grid):
-    rows = walk(lib, m_blocks, heads, batch, section, grid)
+def test_every_tile_once_in_round_order(lib, m_blocks, heads, batch, section, grid, serpentine):
+    rows = walk(lib, m_blocks, heads, batch, section, grid, serpentine)
     total = m_blocks * heads * batch
     assert len(rows) == total
     tiles = {tuple(r[1:]) for r in rows}
@@ -67,7 +71,7 @@ def test_every_tile_once_in_round_order(lib, m_blocks, heads, batch, section, gr
     for block in range(grid):
         mine = rows[rows[:, 0] == block]
         for r, (_, m, h, b) in enumerate(mine):
-            pos = grid - 1 - block if r % 2 and section >= heads * batch else block
+            pos = grid - 1 - block if r % 2 and serpentine else block
             assert linear_index(m_blocks, heads, batch, section, m, h, b) == r * grid + pos, (block, r)
 
 
@@ -104,22 +108,77 @@ def test_serpentine_balances_causal_work(lib, m_blocks, heads, batch, grid):
         assert serpentine - 1 < (round_robin - 1) / 3, (serpentine, round_robin)
 
 
-def test_l2_section_heads(lib):
+def test_section_fit():
+    """The largest power of two of pairs whose K/V fit the budget, at least one."""
     mib = 1 << 20
     for kv_bytes, want in [(1 * mib, 32), (3 * mib, 8), (8 * mib, 4), (32 * mib, 1), (100 * mib, 1), (256 << 10, 128),
                            (0, 1 << 20), (-5, 1 << 20)]:
-        assert lib.scheduler_section_heads(kv_bytes) == want, kv_bytes
+        assert tile_order.section_fit(kv_bytes, 32 * mib) == want, kv_bytes
 
 
-def test_l2_probe_section_heads_match_the_kernel(lib):
-    """scripts/fa3_l2_probe.py labels each budget with the heads per section by a model of
-    tile_scheduler.cuh's l2_section_heads (here at the harness's 32 MiB)."""
-    import importlib.util
-    from pathlib import Path
+@pytest.mark.parametrize("serpentine", [False, True])
+@pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES)
+def test_model_deals_the_tiles_as_the_kernel(lib, m_blocks, heads, batch, section, grid, serpentine):
+    """tile_order's linear order and deal give every block the tiles the kernel's scheduler walks."""
+    rows = walk(lib, m_blocks, heads, batch, section, grid, serpentine)
+    pairs = heads * batch
+    m, pair = tile_order.linear_order(m_blocks, pairs, section)
+    # a tile's cost = a code unique to it; each block's sum of codes must be its tiles' (codes in base 2^20)
+    code = (m * pairs + pair).astype(np.float64)
+    want = {b: set() for b in range(grid)}
+    rounds = -(-len(code) // grid)
+    for i in range(len(code)):
+        r, pos = divmod(i, grid)
+        want[grid - 1 - pos if serpentine and r % 2 else pos].add((int(m[i]), int(pair[i] % heads), int(pair[i] // heads)))
+    for b in range(grid):
+        got = {(int(x[1]), int(x[2]), int(x[3])) for x in rows[rows[:, 0] == b]}
+        assert got == want[b], b
+    work = tile_order.block_work(code + 1, grid, serpentine)
+    assert rounds >= 1 and np.isclose(work.sum(), (code + 1).sum())
+    for b in range(grid):
+        assert np.isclose(work[b], sum(mm * pairs + (bb * heads + hh) + 1 for mm, hh, bb in want[b])), b
 
-    path = Path(__file__).parents[1] / "scripts" / "fa3_l2_probe.py"
-    spec = importlib.util.spec_from_file_location("fa3_l2_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    for kv_bytes in (1, 1 << 20, 3 << 20, 4 << 20, 8 << 20, 16 << 20, 33 << 20, 256 << 10):
-        assert probe.section_heads(kv_bytes, 32 << 20) == lib.scheduler_section_heads(kv_bytes), kv_bytes
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tile_costs_count_the_kernels_k_tiles(seed):
+    """tile_costs: K tiles of each query block as reference.kv_block_range counts them (the kernel's
+    Mask::kv_block_range_rows), plus one; None without a mask."""
+    from cuflash import _validate
+    from cuflash import reference as ref
+
+    rng = np.random.default_rng(seed)
+    sq, sk = (int(x) for x in rng.integers(1, 700, 2))
+    block_m, block_n = int(rng.choice([64, 128, 192])), int(rng.choice([64, 80, 128]))
+    causal = bool(rng.integers(2))
+    window = tuple(int(x) for x in rng.choice([-1, 0, 5, 100], 2)) if rng.integers(2) else (-1, -1)
+    dims = _validate.Dims(1, sq, sk, 1, 1, 64, "bfloat16")
+    bounds = _validate.window_bounds(window, causal, dims)
+    m_blocks = -(-sq // block_m)
+    got = tile_order.tile_costs(m_blocks, block_m, block_n, sq, sk, bounds)
+    if bounds[0] >= sk and bounds[1] >= sq:
+        assert got is None
+        return
+    want = []
+    for m in range(m_blocks):
+        lo, hi = ref.kv_block_range(m, seqlen_q=sq, seqlen_k=sk, block_m=block_m, block_n=block_n, causal=causal,
+                                    window_size=window)
+        want.append(hi - lo + 1)
+    assert list(got) == want
+
+
+def test_choose():
+    """The model's choices for the H200's shapes (grid 132): equal tiles take the budget's sections; d = 128,
+    N = 2k causal (16 query blocks, 128 pairs, 2 fit in 2 MiB) takes 2-pair sections with the serpentine
+    (the plain deal of them is 1.09 of the even share: measured 526 against 529 at 4 pairs); long causal
+    rows (d = 256, 8k: 64 query blocks of 2 (m + 1) K tiles, 16 pairs, 1 fits) keep one section of every
+    pair with the serpentine, which the model has 2 % better."""
+    assert tile_order.choose(16, 128, 132, 4, None) == (4, False)
+    assert tile_order.choose(16, 2, 132, 4, None) == (4, True)
+    causal_2k = tile_order.tile_costs(16, 128, 128, 2048, 2048, (2048, 0))
+    assert causal_2k == tuple(range(2, 18))
+    assert tile_order.choose(16, 128, 132, 2, causal_2k) == (2, True)
+    causal_8k = tile_order.tile_costs(64, 128, 64, 8192, 8192, (8192, 0))
+    assert tile_order.choose(64, 16, 132, 1, causal_8k) == (16, True)
+    m, _ = tile_order.linear_order(16, 128, 2)
+    work = {serp: tile_order.block_work(np.asarray(causal_2k, float)[m], 132, serp) for serp in (True, False)}
+    assert work[True].max() / work[True].mean() < 1.04 < work[False].max() / work[False].mean()

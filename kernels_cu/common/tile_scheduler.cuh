@@ -1,13 +1,12 @@
 // Persistent tile scheduling: a grid of about one thread block per SM walks the (query block, head,
-// batch) tiles in rounds of gridDim.x tiles, block b taking one tile per round: position b, or, when all
-// pairs form one section (below), position b in even rounds and gridDim.x - 1 - b in odd ones
-// ("serpentine"). Tiles are ordered heaviest first, so with the serpentine the block that took the
-// heaviest tile of one round takes the lightest of the next and the blocks' sums of work stay close (a
-// plain round-robin gives block 0 the heaviest tile of every round). Across several sections the costs
-// are a sawtooth and the plain round-robin measured better (H200, N = 2k causal, d = 128: 479 vs 436
-// TFLOP/s), so the serpentine is kept to the single-section order (d = 256, N = 8k causal: 677 vs 629).
-// The next tile's loads overlap the current tile's last GEMMs and epilogue instead of waiting for a
-// fresh block to launch.
+// batch) tiles in rounds of gridDim.x tiles, block b taking one tile per round: position b, or, with the
+// serpentine, position b in even rounds and gridDim.x - 1 - b in odd ones. Tiles are ordered heaviest
+// first, so with the serpentine the block that took the heaviest tile of one round takes the lightest of
+// the next and the blocks' sums of work stay close (a plain round-robin gives block 0 the heaviest tile of
+// every round); across several sections the costs are a sawtooth, which one deal or the other balances
+// better. The host chooses the section and the deal per call with a model of the blocks' work
+// (cuflash/tile_order.py). The next tile's loads overlap the current tile's last GEMMs and epilogue
+// instead of waiting for a fresh block to launch.
 //
 // Tile order. The (head, batch) pairs are cut into sections of `section` pairs whose K and V fit in L2
 // together; a section's tiles run before the next section's. Within a section the last query blocks
@@ -23,16 +22,6 @@ struct Tile {
     int m_block, head, batch;
 };
 
-// Pairs of (head, batch) per L2 section: as many as fit `kv_bytes_per_head` each in `budget` bytes
-// (cuflash/heuristics.py FA3_L2_SECTION_KIB: about half the H200's L2, leaving room for Q and O), rounded
-// down to a power of two, at least one.
-__device__ __forceinline__ int l2_section_heads(i64 kv_bytes_per_head, i64 budget) {
-    const i64 fit = budget / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
-    int section = 1;
-    while (section * 2 <= fit && section < (1 << 20)) section *= 2;
-    return section;
-}
-
 // Tile indices are ints: a tile has at least one query row of d >= 64 elements per head, so 2^31 tiles
 // would be a Q of 2^37 elements, more than a GPU holds (and ints keep the persistent loop's state small:
 // the FP8 d = 256 consumer has no register to spare).
@@ -40,12 +29,11 @@ struct TileScheduler {
     int m_blocks, heads, batch, section;
     int round_start;  // the first tile of the current round
     int index;        // this block's current tile (linear)
+    bool serpentine;  // odd rounds run backwards
 
-    bool serpentine;  // one section: odd rounds run backwards
-
-    __device__ __forceinline__ TileScheduler(int m_blocks_, int heads_, int batch_, int section_)
+    __device__ __forceinline__ TileScheduler(int m_blocks_, int heads_, int batch_, int section_, bool serpentine_)
         : m_blocks(m_blocks_), heads(heads_), batch(batch_), section(section_), round_start(0), index(blockIdx.x),
-          serpentine(section_ >= heads_ * batch_) {}
+          serpentine(serpentine_) {}
 
     // Every round is a permutation of its gridDim.x tiles, so stopping at the first index past the end
     // covers each tile once (in a last, partial odd round the low blocks are the ones left out).

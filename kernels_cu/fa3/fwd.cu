@@ -410,18 +410,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // VARLEN.
     const int m_blocks = PACK_GQA ? (p.seqlen_q * group + BM - 1) / BM : (p.seqlen_q + BM - 1) / BM;
     const int tile_heads = PACK_GQA ? p.kv_heads : p.heads;
-    // L2 sections (common/tile_scheduler.cuh) of (head, batch) pairs whose K and V fit in L2; a GQA
-    // group's query heads share their KV head's bytes. With a causal mask or a window the tile costs
-    // differ, and sections make the costs a sawtooth that the static round-robin balances worse than one
-    // heavy-first sweep (H200, d = 256, N = 8k causal: 530 vs 629 TFLOP/s); there sections are taken
-    // only when the pairs outnumber half the blocks, i.e. when without them about one block would read
-    // each pair's K/V (d = 128, N = 2k causal: 479 vs 452).
-    const int pairs = tile_heads * p.batch;
-    const bool equal_tiles = p.window_left >= p.seqlen_k && p.window_right >= p.seqlen_q;
-    const int l2_section = !equal_tiles && 2 * pairs < int(gridDim.x)
-                               ? pairs
-                               : l2_section_heads(i64(p.seqlen_k) * DP * ELEM_BYTES * 2 / (PACK_GQA ? 1 : group),
-                                                  i64(p.l2_section_kib) << 10);
+    // The order the tiles run in: sections of (head, batch) pairs whose K / V share L2, dealt round by round
+    // (common/tile_scheduler.cuh), as the host chose them for this call (cuflash/tile_order.py).
+    const bool serpentine = p.sched_serpentine != 0;
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
@@ -443,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         regs_decrease<PRODUCER_REGS>();  // so that the consumers' increase can be granted
         if (threadIdx.x != 0) return;
         int i = 0, q_iter = 0;
-        for (TileScheduler sched(m_blocks, tile_heads, p.batch, l2_section); sched.valid(); sched.advance()) {
+        for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
             const Tile tile = sched.tile();
             const SeqInfo seq = sequence(p, tile.batch);
             int q_first, q_last;
@@ -494,7 +485,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     int i = 0, q_iter = 0;
     if (c == CONSUMERS - 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
-    for (TileScheduler sched(m_blocks, tile_heads, p.batch, l2_section); sched.valid(); sched.advance()) {
+    for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
         const Tile tile = sched.tile();
         const SeqInfo seq = sequence(p, tile.batch);
         int q_first, q_last, wg_first, wg_last;

@@ -21,7 +21,7 @@ struct Fa3FwdParams {
     const float* k_descale;
     const float* v_descale;
     int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
-    int l2_section_kib;  // the persistent scheduler's L2 sections hold this much K/V (heuristics.py)
+    int sched_section, sched_serpentine;  // the persistent scheduler's order (cuflash/tile_order.py)
 };
 
 struct Fa3BwdParams {

@@ -27,12 +27,13 @@ extern "C" {
 
 // Walks every block's tiles in the order the kernel does: out[k] = (block, m_block, head, batch) of the
 // k-th tile visited, blocks in order. Returns how many were written, or -1 if more than `capacity`.
-long long scheduler_walk(int m_blocks, int heads, int batch, int section, int grid, int32_t* out, long long capacity) {
+long long scheduler_walk(int m_blocks, int heads, int batch, int section, int serpentine, int grid, int32_t* out,
+                         long long capacity) {
     long long count = 0;
     gridDim.x = unsigned(grid);
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = unsigned(b);
-        for (TileScheduler sched(m_blocks, heads, batch, section); sched.valid(); sched.advance()) {
+        for (TileScheduler sched(m_blocks, heads, batch, section, serpentine != 0); sched.valid(); sched.advance()) {
             if (count >= capacity) return -1;
             const Tile t = sched.tile();
             int32_t* row = out + 4 * count++;
@@ -41,7 +42,5 @@ long long scheduler_walk(int m_blocks, int heads, int batch, int section, int gr
     }
     return count;
 }
-
-int scheduler_section_heads(long long kv_bytes_per_head) { return l2_section_heads(kv_bytes_per_head, 32ll << 20); }
 
 }  // extern "C"

@@ -1,0 +1,100 @@
+"""The FA3 forward's persistent tile order (kernels_cu/common/tile_scheduler.cuh) and the host's choice of its
+two parameters for a call: how many (head, batch) pairs share an L2 section, and whether odd rounds run
+backwards (the serpentine).
+
+The grid's blocks take one tile per round in the scheduler's linear order: sections of ``section`` pairs one
+after the other, each from its last query block down (with a causal mask the heaviest first), its pairs
+fastest. A section's pairs keep their K and V within an L2 budget (heuristics.fa3_l2_section_kib), so the
+blocks of a round read few heads' K/V, each many times from L2. Where tile costs differ (a causal mask, a
+window) the order must also keep the blocks' sums of work even; ``choose`` models that: a tile costs the K
+tiles it visits plus one (its prologue and epilogue), and among the sections within the budget and both
+deals it takes the one whose busiest block has the least work (ties: the larger section). On the H200 the
+model ranked d = 128, N = 2k causal with 2 / 4 / 8 / 16 / 32 pairs per section and no serpentine (526 / 529
+/ 380 / 450 / 486 TF/s) as the measurements did (1.09 / 1.03 / 1.47 / 1.25 / 1.14 of the even share).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+def section_fit(kv_bytes_per_pair: int, budget_bytes: int) -> int:
+    """Pairs per section that fit the budget: the largest power of two whose K/V fit, at least one."""
+    fit, section = budget_bytes // max(kv_bytes_per_pair, 1), 1
+    while section * 2 <= fit and section < (1 << 20):
+        section *= 2
+    return section
+
+
+def linear_order(m_blocks: int, pairs: int, section: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query block, pair) of each tile in the scheduler's linear order (TileScheduler::tile)."""
+    index = np.arange(m_blocks * pairs)
+    per_section = section * m_blocks
+    first_pair = index // per_section * section
+    width = np.minimum(section, pairs - first_pair)
+    rest = index - first_pair * m_blocks
+    return m_blocks - 1 - rest // width, first_pair + rest % width
+
+
+def block_work(costs: np.ndarray, grid: int, serpentine: bool) -> np.ndarray:
+    """Each block's sum of ``costs`` (tile costs in linear order) when the grid deals them a round at a time
+    (TileScheduler::advance: block b takes position b of a round, or grid - 1 - b in odd rounds with the
+    serpentine)."""
+    rounds = -(-len(costs) // grid)
+    table = np.zeros(rounds * grid)
+    table[:len(costs)] = costs
+    table = table.reshape(rounds, grid)
+    if serpentine:
+        table[1::2] = table[1::2, ::-1]
+    return table.sum(axis=0)
+
+
+@functools.lru_cache(maxsize=512)
+def choose(m_blocks: int, pairs: int, grid: int, fit: int, m_costs: tuple | None) -> tuple[int, bool]:
+    """(pairs per section, serpentine) for ``pairs`` (head, batch) pairs of ``m_blocks`` query blocks on
+    ``grid`` blocks, sections of at most ``fit`` pairs. ``m_costs``: a tile's cost by query block, None when
+    all tiles cost the same (then the budget's sections, with the serpentine when one section holds every
+    pair: with equal tiles the deal does not matter)."""
+    if m_costs is None:
+        return fit, fit >= pairs
+    costs = np.asarray(m_costs, dtype=np.float64)
+
+    def busiest(section, serpentine):
+        m, _ = linear_order(m_blocks, pairs, section)
+        return round(float(block_work(costs[m], grid, serpentine).max()), 6)
+
+    best = None
+    section = fit
+    while section >= 1:
+        for serpentine in (True, False):
+            key = (busiest(section, serpentine), -section)
+            if best is None or key < best[0]:
+                best = (key, min(section, pairs), serpentine)
+        section //= 2
+    # With fewer pairs than half the grid, one section of every pair with the serpentine (what the kernel
+    # took there before session 16, whatever the budget) where the model has it 2 % better.
+    if fit < pairs and 2 * pairs < grid and busiest(pairs, True) < 0.98 * best[0][0]:
+        return pairs, True
+    return best[1], best[2]
+
+
+@functools.lru_cache(maxsize=512)
+def tile_costs(m_blocks: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, window: tuple[int, int],
+               group: int = 1) -> tuple | None:
+    """A tile's cost by query block for ``choose`` (the K tiles its rows see, as Mask::kv_block_range_rows
+    counts them, plus one), or None when no mask bounds the rows (``window`` = (left, right) as the kernel
+    takes them, "unbounded" = the sequence lengths). ``group``: query heads packed into a tile's rows (GQA
+    packing: packed row r is query r // group)."""
+    left, right = window
+    if left >= seqlen_k and right >= seqlen_q:
+        return None
+    row0 = np.arange(m_blocks) * block_m
+    first, last = row0 // group, (row0 + block_m - 1) // group
+    last = np.minimum(last, seqlen_q - 1)
+    diag = seqlen_k - seqlen_q
+    key_first = np.maximum(0, first + diag - left)
+    key_last = np.minimum(seqlen_k - 1, last + diag + right)
+    visited = np.where(key_last >= key_first, key_last // block_n + 1 - key_first // block_n, 0)
+    visited = np.where(first < seqlen_q, visited, 0)
+    return tuple(int(x) + 1 for x in visited)
