@@ -197,9 +197,11 @@ FA3_3WG_MIN_MASKED_SEQLEN = 8192
 
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
 # of two) as fit their K and V in a budget of KiB run together, so the blocks of a round share K/V in L2
-# (kernels_cu/common/tile_scheduler.cuh). Head dim -> ((longest seqlen_k, KiB), ...), the first row whose
-# length the call's keys do not pass, FA3_L2_SECTION_KIB_LONG beyond; FP8 forwards take
-# FA3_FP8_L2_SECTION_KIB. Measured on the H200 (scripts/fa3_l2_probe.py, interleaved rounds, TF/s):
+# (kernels_cu/common/tile_scheduler.cuh); cuflash/tile_order.py picks the section within the budget and the
+# deal. Head dim -> ((longest seqlen_k, KiB), ...), the first row whose length the call's keys do not pass,
+# FA3_L2_SECTION_KIB_LONG beyond; FP8 forwards take FA3_FP8_L2_SECTION_KIB. Measured on the H200
+# (scripts/fa3_l2_probe.py, interleaved rounds, TF/s; causal d = 256 and d = 128 at 4k took one section of
+# every pair then, whatever the budget):
 #   session 10: 4, 8, 16 and 32 MiB (1 to 16 heads per section) within 1-2 % of each other at d = 64 / 128 /
 #   256, N = 8k / 16k, causal and not.
 #   session 16, 32 MiB -> 2 MiB at N = 2k / 4k: d = 128 574 -> 636 / 588 -> 620, causal 486 -> 526 / 515 ->
@@ -208,8 +210,9 @@ FA3_3WG_MIN_MASKED_SEQLEN = 8192
 #   did not stay in L2. At d = 128 the prefill suite with 2 MiB everywhere lost at short rows (N = 512
 #   0.86 -> 0.70 of cuDNN, causal 1k 0.90 -> 0.74) while d = 256 gained there (causal 512 0.68 -> 0.84, 1k
 #   0.74 -> 0.87, non-causal 512 0.76 -> 0.83), and the probe read d = 128 N = 8k at 649 with 32 MiB against
-#   614-626 with 2. Causal d = 128 2k was 380 at 8 MiB and 450 at 16 MiB (sections of about one round of
-#   heavy-first tiles give the same blocks the heavy tiles every round). d = 64 (three consumer warpgroups,
+#   614-626 with 2. Causal d = 128 2k was 380 at 8 MiB and 450 at 16 MiB with the plain deal (sections of
+#   about one round of heavy-first tiles gave the same blocks the heavy tiles every round: what
+#   tile_order's model now avoids). d = 64 (three consumer warpgroups,
 #   192-row tiles) goes the other way: 2k 459 at 32 MiB, 447 at 8, 381 at 2; causal level. d = 96 / 192
 #   follow d = 128 / 256 (not measured).
 FA3_L2_SECTION_KIB = {
