@@ -26,12 +26,15 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
+  fwd-d64-causal  FA3 forward bf16 d = 64 causal, N = 1k, 2k and 4k (0.84-0.92 of cuDNN): the table's tiles
+             (two consumer warpgroups, 128 keys, pingpong) against three warpgroups, 192 or 64 keys, and
+             no pingpong
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-order] [--rounds 5] [--reps 10]
+        [fwd-order] [fwd-d64-causal] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -143,6 +146,11 @@ def list_variants() -> list:
                     window = _validate.window_bounds((-1, -1), causal, dims)
                     out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                                short_masked=fa3._short_masked(window, dims)))
+    for config in D64_CAUSAL.values():  # fwd_d64_causal's
+        with config():
+            dims = _validate.Dims(1, 2048, 2048, 1, 1, 64, "bfloat16")
+            window = _validate.window_bounds((-1, -1), True, dims)
+            out.append(fa3.fwd_variant(64, "bfloat16", short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
 
@@ -283,6 +291,43 @@ def bwd_dkv(rounds, reps):
 
 
 @contextmanager
+def short_masked_rows_at(seqlen):
+    """Masked rows shorter than ``seqlen`` take FA3_TILES (two warpgroups), longer FA3_TILES_3WG."""
+    saved = heuristics.FA3_3WG_MIN_MASKED_SEQLEN
+    heuristics.FA3_3WG_MIN_MASKED_SEQLEN = seqlen
+    try:
+        yield
+    finally:
+        heuristics.FA3_3WG_MIN_MASKED_SEQLEN = saved
+
+
+def d64_tiles(**changes):
+    """d = 64 calls of two consumer warpgroups take FA3_TILES[64] with ``changes``."""
+    return tables_edited((heuristics.FA3_TILES,),
+                         lambda table: table.update({64: dataclasses.replace(table[64], **changes)}))
+
+
+D64_CAUSAL = {  # name -> a new context manager per use
+    "table": as_is,
+    "3 warpgroups": lambda: short_masked_rows_at(0),
+    "192 keys": lambda: d64_tiles(block_n=192),
+    "64 keys": lambda: d64_tiles(block_n=64),
+    "no pingpong": lambda: d64_tiles(pingpong=False),
+}
+
+
+def fwd_d64_causal(rounds, reps):
+    """FA3 forward d = 64 causal at short rows: the table's tiles against the alternatives of D64_CAUSAL."""
+    import cuflash
+
+    for n in (1024, 2048, 4096):
+        b, h, (q, k, v) = bench_shape(64, n, 3)
+        interleaved(f"fa3 bf16 d=64 N={n} causal", D64_CAUSAL,
+                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"),
+                    4 * b * h * n * n * 64 / 2, rounds, reps)
+
+
+@contextmanager
 def old_tile_order():
     """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
     fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
@@ -324,7 +369,8 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
+            "fwd-d64-causal": fwd_d64_causal}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
