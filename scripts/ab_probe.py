@@ -27,8 +27,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
   fwd-d64-causal  FA3 forward bf16 d = 64 causal, N = 1k, 2k and 4k (0.84-0.92 of cuDNN): the table's tiles
-             (two consumer warpgroups, 128 keys, pingpong) against three warpgroups, 192 or 64 keys, and
-             no pingpong
+             (two consumer warpgroups, 128 keys, pingpong) against three warpgroups, 192 or 64 keys, no
+             pingpong, and the row maxima in 4 FMNMX chains
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
@@ -313,6 +313,8 @@ D64_CAUSAL = {  # name -> a new context manager per use
     "192 keys": lambda: d64_tiles(block_n=192),
     "64 keys": lambda: d64_tiles(block_n=64),
     "no pingpong": lambda: d64_tiles(pingpong=False),
+    # (the softmax outlasts the GEMMs at d = 64: each row's maximum is a chain of 32 dependent FMNMX)
+    "4 max chains": lambda: defines_added("fwd_variant", *MAX_CHAINS_4),
 }
 
 
