@@ -299,7 +299,8 @@ def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes:
     # K and V of a (head, batch) pair, rows of whole 128-byte atoms; a GQA group's query heads share them
     kv_bytes = dims.seqlen_k * (-(-dims.headdim * elem_bytes // 128) * 128) * 2 // (1 if pack else group)
     fit = tile_order.section_fit(kv_bytes, budget_kib << 10)
-    costs = tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window, group if pack else 1)
+    costs = tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window,
+                                  group if pack else 1)
     p["sched_section"], p["sched_serpentine"] = tile_order.choose(m_blocks, pairs, grid, fit, costs)
     return grid
 

@@ -60,22 +60,23 @@ def choose(m_blocks: int, pairs: int, grid: int, fit: int, m_costs: tuple | None
         return fit, fit >= pairs
     costs = np.asarray(m_costs, dtype=np.float64)
 
-    def busiest(section, serpentine):
-        m, _ = linear_order(m_blocks, pairs, section)
-        return round(float(block_work(costs[m], grid, serpentine).max()), 6)
+    def busiest(in_order, serpentine):
+        return round(float(block_work(in_order, grid, serpentine).max()), 6)
 
     best = None
     section = fit
     while section >= 1:
+        in_order = costs[linear_order(m_blocks, pairs, section)[0]]
         for serpentine in (True, False):
-            key = (busiest(section, serpentine), -section)
+            key = (busiest(in_order, serpentine), -section)
             if best is None or key < best[0]:
                 best = (key, min(section, pairs), serpentine)
         section //= 2
     # With fewer pairs than half the grid, one section of every pair with the serpentine (what the kernel
     # took there before session 16, whatever the budget) where the model has it 2 % better.
-    if fit < pairs and 2 * pairs < grid and busiest(pairs, True) < 0.98 * best[0][0]:
-        return pairs, True
+    if fit < pairs and 2 * pairs < grid:
+        if busiest(costs[linear_order(m_blocks, pairs, pairs)[0]], True) < 0.98 * best[0][0]:
+            return pairs, True
     return best[1], best[2]
 
 

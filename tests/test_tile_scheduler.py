@@ -123,13 +123,14 @@ def test_model_deals_the_tiles_as_the_kernel(lib, m_blocks, heads, batch, sectio
     rows = walk(lib, m_blocks, heads, batch, section, grid, serpentine)
     pairs = heads * batch
     m, pair = tile_order.linear_order(m_blocks, pairs, section)
-    # a tile's cost = a code unique to it; each block's sum of codes must be its tiles' (codes in base 2^20)
+    # each tile costs its own code + 1 below: block_work must give every block the sum of its tiles'
     code = (m * pairs + pair).astype(np.float64)
     want = {b: set() for b in range(grid)}
     rounds = -(-len(code) // grid)
     for i in range(len(code)):
         r, pos = divmod(i, grid)
-        want[grid - 1 - pos if serpentine and r % 2 else pos].add((int(m[i]), int(pair[i] % heads), int(pair[i] // heads)))
+        block = grid - 1 - pos if serpentine and r % 2 else pos
+        want[block].add((int(m[i]), int(pair[i] % heads), int(pair[i] // heads)))
     for b in range(grid):
         got = {(int(x[1]), int(x[2]), int(x[3])) for x in rows[rows[:, 0] == b]}
         assert got == want[b], b
