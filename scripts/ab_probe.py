@@ -32,12 +32,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
-  fwd-ostore FA3 forward bf16 d = 256 (O stored from registers), N = 1k, 2k and 8k, causal and not: 8-byte O
-             stores after a swap within each lane pair (as built) against 4-byte stores
-             (CUFLASH_O_STORE_PAIRS=0)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-order] [fwd-d64-causal] [fwd-ostore] [--rounds 5] [--reps 10]
+        [fwd-order] [fwd-d64-causal] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -127,7 +124,6 @@ def as_is():
 BF16_HEADDIMS = (64, 128, 256)
 NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
 DKV_FROM_REGISTERS = (("CUFLASH_STORE_DKV_TMA", 0),)
-O_STORE_WORDS = (("CUFLASH_O_STORE_PAIRS", 0),)
 
 
 def list_variants() -> list:
@@ -155,13 +151,6 @@ def list_variants() -> list:
             dims = _validate.Dims(1, 2048, 2048, 1, 1, 64, "bfloat16")
             window = _validate.window_bounds((-1, -1), True, dims)
             out.append(fa3.fwd_variant(64, "bfloat16", short_masked=fa3._short_masked(window, dims)))
-    with defines_added("fwd_variant", *O_STORE_WORDS):  # fwd_ostore's
-        for n in (1024, 2048, 8192):
-            for causal in (False, True):
-                dims = _validate.Dims(1, n, n, 1, 1, 256, "bfloat16")
-                window = _validate.window_bounds((-1, -1), causal, dims)
-                out.append(fa3.fwd_variant(256, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                           short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
 
@@ -369,20 +358,6 @@ def fwd_order(rounds, reps):
                         lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"), flops, rounds, reps)
 
 
-def fwd_ostore(rounds, reps):
-    """FA3 forward d = 256: 8-byte O stores (as built) against 4-byte ones."""
-    import cuflash
-
-    configs = {"8-byte": as_is, "4-byte": lambda: defines_added("fwd_variant", *O_STORE_WORDS)}
-    for n in (1024, 2048, 8192):
-        b, h, (q, k, v) = bench_shape(256, n, 3)
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * 256 / (2 if causal else 1)
-            interleaved(f"fa3 bf16 d=256 N={n} causal={causal}", configs,
-                        lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), flops,
-                        rounds, reps)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -397,7 +372,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
-            "fwd-d64-causal": fwd_d64_causal, "fwd-ostore": fwd_ostore}
+            "fwd-d64-causal": fwd_d64_causal}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

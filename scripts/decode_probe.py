@@ -1,8 +1,15 @@
 """Where a decode step's time goes: the split-KV kernel for several num_splits (its combine included and
-alone), next to a plain device copy of the same K/V bytes, on CUDA-graph replays. For tuning
+alone), next to a plain read of the same K/V bytes, on CUDA-graph replays. For tuning
 heuristics.decode_num_splits and the decode kernel between full `python -m cuflash bench --suite decode` runs.
 
     python scripts/decode_probe.py [--shapes 1x32768,16x8192] [--splits 1,8,16,33,66,132] [--page-sizes 0,1]
+        [--head-major]
+
+--head-major also times a contiguous cache stored head by head ((batch, kv_heads, seqlen, d) in memory, passed
+as its (batch, seqlen, kv_heads, d) view): a block then streams one contiguous run instead of 256-byte rows
+2 KB apart shared with the other heads' blocks -- whether DRAM locality is what the decode kernel loses. Each
+shape also times a plain read of the K/V bytes (16-byte loads, no writes; the best of a few launch shapes): the
+ceiling.
 """
 import argparse
 
@@ -35,11 +42,59 @@ def replay_us(fn, reps=200):
     return float(np.median(times))
 
 
-def probe(batch, cache_len, splits_list, page_size=0):
+_READ = r"""
+// Each thread keeps UNROLL independent 16-byte loads in flight per step (a grid-stride walk over n chunks).
+template <int UNROLL>
+__device__ void read_all(const uint4* __restrict__ a, long long n, unsigned* sink) {
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
+        uint4 x[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) x[u] = __ldcs(a + i + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) acc.x ^= x[u].x, acc.y ^= x[u].y, acc.z ^= x[u].z, acc.w ^= x[u].w;
+    }
+    for (; i < n; i += stride) {
+        const uint4 x = a[i];
+        acc.x ^= x.x, acc.y ^= x.y, acc.z ^= x.z, acc.w ^= x.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) sink[0] = 1;  // keeps the loads; never true in practice
+}
+extern "C" __global__ void read_1(const uint4* a, long long n, unsigned* sink) { read_all<1>(a, n, sink); }
+extern "C" __global__ void read_4(const uint4* a, long long n, unsigned* sink) { read_all<4>(a, n, sink); }
+"""
+
+
+def read_us(arrays):
+    """Microseconds to read the arrays once with a plain grid-stride kernel of 512-thread blocks, for 1 or 4
+    loads in flight per thread and 1, 2 or 4 blocks per SM: {(loads, blocks per SM): us}. The least is
+    the ceiling for these bytes."""
+    module = cupy.RawModule(code=_READ, options=("-std=c++17",))
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    times = {}
+    for loads in (1, 4):
+        kernel = module.get_function(f"read_{loads}")
+        for per_sm in (1, 2, 4):
+            def run():
+                for a in arrays:
+                    kernel((per_sm * sms,), (512,), (a, np.int64(a.nbytes // 16), sink))
+            times[loads, per_sm] = replay_us(run)
+    return times
+
+
+def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((batch, 1, HEADS, D), dtype=cupy.float32).astype("bfloat16")
-    k = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype("bfloat16")
-    v = rng.standard_normal((batch, cache_len, KV_HEADS, D), dtype=cupy.float32).astype("bfloat16")
+    shape = (batch, KV_HEADS, cache_len, D) if head_major else (batch, cache_len, KV_HEADS, D)
+    k = rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
+    v = rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
+    reads = read_us((k, v))
+    read = min(reads.values())
+    if head_major:
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     seqlens = cupy.full((batch,), cache_len, dtype=cupy.int32)
     nbytes = 2 * k.nbytes
     table = None
@@ -52,12 +107,12 @@ def probe(batch, cache_len, splits_list, page_size=0):
             y.view(cupy.uint16)[perm] = x.view(cupy.uint16).reshape(batch * per_entry, page_size, KV_HEADS, D)
             paged.append(y)
         k, v, table = paged[0], paged[1], perm.reshape(batch, per_entry)
-    dst = cupy.empty_like(k)
-    copy_us = replay_us(lambda: (cupy.copyto(dst, k), cupy.copyto(dst, v)))
     auto = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=bool(page_size))
-    cache = f"page size {page_size}" if page_size else "contiguous"
-    print(f"{batch}x{cache_len} {cache}: K+V {nbytes / 2**20:.0f} MiB; copy (read+write) {copy_us:6.1f} us; "
-          f"heuristic num_splits {auto}", flush=True)
+    cache = f"page size {page_size}" if page_size else "contiguous, head-major" if head_major else "contiguous"
+    print(f"{batch}x{cache_len} {cache}: K+V {nbytes / 2**20:.0f} MiB; plain read {read:6.1f} us "
+          f"({nbytes / read / 1e6:5.2f} TB/s); heuristic num_splits {auto}", flush=True)
+    print("  plain reads (loads in flight per thread, blocks per SM): "
+          + ", ".join(f"{loads}/{per_sm} {t:.1f} us" for (loads, per_sm), t in reads.items()), flush=True)
     out = cupy.empty_like(q)
     for ns in sorted(set(splits_list) | {auto}):
         ws = cupy.empty(kvcache_workspace_bytes(batch, HEADS, 1, D, ns), dtype=cupy.uint8)
@@ -79,12 +134,15 @@ def main():
     ap.add_argument("--shapes", default="1x32768,16x8192")
     ap.add_argument("--splits", default="1,8,16,33,66,132")
     ap.add_argument("--page-sizes", default="0", help="0 = contiguous cache, else paged with that page size")
+    ap.add_argument("--head-major", action="store_true", help="also a contiguous cache stored head by head")
     args = ap.parse_args()
     splits = [int(x) for x in args.splits.split(",")]
     for shape in args.shapes.split(","):
         b, n = (int(x) for x in shape.lower().split("x"))
         for page_size in (int(x) for x in args.page_sizes.split(",")):
             probe(b, n, splits, page_size)
+        if args.head_major:
+            probe(b, n, splits, head_major=True)
 
 
 if __name__ == "__main__":

@@ -62,9 +62,6 @@ constexpr int EXP2_EMU = CUFLASH_EXP2_EMU;
 // chain is 2 BN / 8 dependent instructions (17 at BN = 128), which a lone softmax warp waits out (ncu, FP8
 // d = 128: FMNMX 13 % of the stall samples). A tuning switch (scripts/ab_probe.py); 1 = one chain.
 constexpr int MAX_CHAINS = CUFLASH_MAX_CHAINS;
-#ifndef CUFLASH_O_STORE_PAIRS
-#define CUFLASH_O_STORE_PAIRS 1
-#endif
 constexpr int DV = CUFLASH_HEADDIM_V;  // of V and O (d_v; d_qk unless the launcher asks otherwise)
 static_assert(DV % 16 == 0, "O is stored two 8-column groups at a time");
 constexpr bool FP8 = CUFLASH_FP8;
@@ -314,7 +311,6 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
         const int head = qhead[r];
         const float inv = l > 0.f ? o_scale / l : 0.f;
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
-#if CUFLASH_O_STORE_PAIRS
         // Column groups j, j + 1 (8 columns each, a quad's): lanes q4 and q4 ^ 1 swap one packed pair, so
         // that an even lane holds 4 consecutive columns of group j and an odd lane 4 of group j + 1: 8-byte
         // stores, with which a warp writes 32 contiguous bytes of each of its 8 rows per store instead of 16
@@ -330,13 +326,6 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
             if (in_sequence)  // (the lower columns are the even lane's pair)
                 *reinterpret_cast<uint2*>(out + 8 * j) = odd ? make_uint2(got, kept) : make_uint2(kept, got);
         }
-#else
-        out += 2 * q4;
-#pragma unroll
-        for (int j = 0; j < DV / 8; ++j)
-            if (in_sequence)
-                *reinterpret_cast<u32*>(out + 8 * j) = elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-#endif
         if (q4 == 0 && in_sequence)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
                 l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
