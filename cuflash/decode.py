@@ -28,7 +28,6 @@ from .heuristics import DECODE_BLOCK_M, DECODE_TILES
 FAMILY = "decode"
 HEADDIMS = tuple(sorted(DECODE_TILES))
 MIN_CC = (8, 0)
-THREADS = 128  # decode_fwd: 4 warps
 AUX_THREADS = 128  # kv_append, q_rotary, attn_combine: one warp per row
 LOG2E = 1.0 / math.log(2.0)
 COMBINE_DTYPE_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # CUFLASH_OUT_DTYPE of decode/combine.cu
@@ -138,13 +137,18 @@ def fwd_smem_bytes(headdim: int) -> int:
     return DECODE_BLOCK_M * headdim * 2 + 2 * t.stages * t.block_n * headdim * 2
 
 
+def fwd_threads(headdim: int) -> int:
+    """decode_fwd's block: one warp per 16 keys of a tile."""
+    return DECODE_TILES[headdim].block_n // 16 * 32
+
+
 def fwd_variant(headdim: int, dtype: str, paged: bool) -> Variant:
     t = DECODE_TILES[headdim]
     return Variant(
         FAMILY, "decode/fwd.cu", "decode_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
          ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
-        threads=THREADS, smem_bytes=fwd_smem_bytes(headdim),
+        threads=fwd_threads(headdim), smem_bytes=fwd_smem_bytes(headdim),
     )
 
 

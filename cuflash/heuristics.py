@@ -296,7 +296,7 @@ IMPL_PREFERENCE = {"forward": ("fa3", "fa2", "fa1"), "backward": ("fa3", "fa2", 
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    block_n: int  # keys per K/V tile; each of the 4 warps takes 16 of them (its own online softmax)
+    block_n: int  # keys per K/V tile; one warp per 16 of them (its own online softmax)
     stages: int  # K/V tiles in flight in the cp.async ring (the bytes in flight that decode lives on)
 
 

@@ -29,7 +29,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fwd-d64-causal  FA3 forward bf16 d = 64 causal, N = 1k, 2k and 4k (0.84-0.92 of cuDNN): the table's tiles
              (two consumer warpgroups, 128 keys, pingpong) against three warpgroups, 192 or 64 keys, no
              pingpong, and the row maxima in 4 FMNMX chains
-  fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 1k, 2k, 4k and 8k, causal: the tile order the host's
+  fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 512, 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
@@ -351,7 +351,7 @@ def fwd_order(rounds, reps):
     import cuflash
 
     for d in BF16_HEADDIMS:
-        for n in (1024, 2048, 4096, 8192):
+        for n in (512, 1024, 2048, 4096, 8192):
             b, h, (q, k, v) = bench_shape(d, n, 3)
             flops = 4 * b * h * n * n * d / 2
             interleaved(f"fa3 bf16 d={d} N={n} causal", {"model": as_is, "old rule": old_tile_order},

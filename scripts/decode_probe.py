@@ -4,6 +4,7 @@ heuristics.decode_num_splits and the decode kernel between full `python -m cufla
 
     python scripts/decode_probe.py [--shapes 1x32768,16x8192] [--splits 1,8,16,33,66,132] [--page-sizes 0,1]
         [--head-major]
+    python scripts/decode_probe.py --ab ROUNDS [--shapes ...] [--page-sizes ...] [--pages-in-order]
 
 --head-major also times a contiguous cache stored head by head ((batch, kv_heads, seqlen, d) in memory, passed
 as its (batch, seqlen, kv_heads, d) view): a block then streams one contiguous run instead of 256-byte rows
@@ -12,11 +13,14 @@ shape also times a plain read of the K/V bytes (16-byte loads, no writes; the be
 ceiling.
 """
 import argparse
+import dataclasses
+from contextlib import contextmanager
 
 import cupy
 import numpy as np
 
 import cuflash
+from cuflash import decode, heuristics
 from cuflash.api import kvcache_num_splits, kvcache_workspace_bytes
 from cuflash.bench import capture_on_stream
 
@@ -85,28 +89,37 @@ def read_us(arrays):
     return times
 
 
-def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
+def make_cache(batch, cache_len, page_size=0, head_major=False, in_order=False):
+    """q, k, v, cache_seqlens, page_table (None unless paged: the pages in a random order, or in order with
+    ``in_order``), the plain-read times {(loads, blocks per SM): us} of the K/V bytes, and their count."""
     rng = cupy.random.default_rng(0)
     q = rng.standard_normal((batch, 1, HEADS, D), dtype=cupy.float32).astype("bfloat16")
     shape = (batch, KV_HEADS, cache_len, D) if head_major else (batch, cache_len, KV_HEADS, D)
     k = rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
     v = rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
     reads = read_us((k, v))
-    read = min(reads.values())
     if head_major:
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     seqlens = cupy.full((batch,), cache_len, dtype=cupy.int32)
     nbytes = 2 * k.nbytes
     table = None
-    if page_size:  # entry b's page j is physical page table[b, j]; the pages in a random order
+    if page_size:  # entry b's page j is physical page table[b, j]
         per_entry = cache_len // page_size
-        perm = cupy.asarray(np.random.default_rng(1).permutation(batch * per_entry).astype(np.int32))
+        order = np.arange(batch * per_entry) if in_order else np.random.default_rng(1).permutation(batch * per_entry)
+        perm = cupy.asarray(order.astype(np.int32))
         paged = []
         for x in (k, v):
             y = cupy.empty((batch * per_entry, page_size, KV_HEADS, D), dtype=x.dtype)
             y.view(cupy.uint16)[perm] = x.view(cupy.uint16).reshape(batch * per_entry, page_size, KV_HEADS, D)
             paged.append(y)
         k, v, table = paged[0], paged[1], perm.reshape(batch, per_entry)
+    return q, k, v, seqlens, table, reads, nbytes
+
+
+def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
+    rng = cupy.random.default_rng(0)
+    q, k, v, seqlens, table, reads, nbytes = make_cache(batch, cache_len, page_size, head_major)
+    read = min(reads.values())
     auto = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=bool(page_size))
     cache = f"page size {page_size}" if page_size else "contiguous, head-major" if head_major else "contiguous"
     print(f"{batch}x{cache_len} {cache}: K+V {nbytes / 2**20:.0f} MiB; plain read {read:6.1f} us "
@@ -129,18 +142,70 @@ def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
         print(line, flush=True)
 
 
+@contextmanager
+def decode_config(block_n=None, stages=None, no_compute=False):
+    """Decode calls at head dim D take ``block_n`` keys per tile (one warp per 16) in ``stages`` ring
+    slots, and with ``no_compute`` the timing-only variant without the attention math."""
+    saved, built = heuristics.DECODE_TILES[D], decode.fwd_variant
+    if block_n:
+        heuristics.DECODE_TILES[D] = heuristics.DecodeTiles(block_n=block_n, stages=stages)
+    if no_compute:
+        def variant(*args, **kwargs):
+            v = built(*args, **kwargs)
+            return dataclasses.replace(v, defines=v.defines + (("CUFLASH_PROBE_NO_COMPUTE", 1),))
+        decode.fwd_variant = variant
+    try:
+        yield
+    finally:
+        heuristics.DECODE_TILES[D], decode.fwd_variant = saved, built
+
+
+AB_CONFIGS = {  # name -> decode_config's arguments. Session 17 (H200, us): 1 x 32k table 39.1, no math 36.9,
+    # 128 keys x 2 / x 3 (8 warps) 41.1 / 39.6; page size 1 44.3 / 41.0 / 50.4 / 50.2 (plain read 31.9)
+    "table": {},
+    "no math (timing only)": dict(no_compute=True),
+}
+
+
+def ab(batch, cache_len, page_size, rounds, in_order=False):
+    """The AB_CONFIGS in interleaved rounds at the heuristic's split count: median us [range] each."""
+    q, k, v, seqlens, table, reads, nbytes = make_cache(batch, cache_len, page_size, in_order=in_order)
+    out = cupy.empty_like(q)
+    times = {name: [] for name in AB_CONFIGS}
+    for _ in range(rounds):
+        for name, config in AB_CONFIGS.items():
+            with decode_config(**config):
+                ns = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=bool(page_size))
+                ws = cupy.empty(kvcache_workspace_bytes(batch, HEADS, 1, D, ns), dtype=cupy.uint8)
+                times[name].append(replay_us(lambda: cuflash.flash_attn_with_kvcache(
+                    q, k, v, cache_seqlens=seqlens, page_table=table, num_splits=ns, check=False, out=out,
+                    workspace=ws), reps=100))
+    cache = f"page size {page_size}{', pages in order' if in_order else ''}" if page_size else "contiguous"
+    print(f"{batch}x{cache_len} {cache} (plain read {min(reads.values()):.1f} us): " + " | ".join(
+        f"{name} {np.median(t):.1f} [{min(t):.1f}-{max(t):.1f}]" for name, t in times.items()), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768,16x8192")
     ap.add_argument("--splits", default="1,8,16,33,66,132")
     ap.add_argument("--page-sizes", default="0", help="0 = contiguous cache, else paged with that page size")
     ap.add_argument("--head-major", action="store_true", help="also a contiguous cache stored head by head")
+    ap.add_argument("--ab", type=int, default=0, metavar="ROUNDS",
+                    help="instead: the decode tile configurations (AB_CONFIGS) in ROUNDS interleaved rounds")
+    ap.add_argument("--pages-in-order", action="store_true",
+                    help="with --ab: paged caches also with their pages in order (DRAM locality against lookups)")
     args = ap.parse_args()
     splits = [int(x) for x in args.splits.split(",")]
     for shape in args.shapes.split(","):
         b, n = (int(x) for x in shape.lower().split("x"))
         for page_size in (int(x) for x in args.page_sizes.split(",")):
-            probe(b, n, splits, page_size)
+            if args.ab:
+                ab(b, n, page_size, args.ab)
+                if page_size and args.pages_in_order:
+                    ab(b, n, page_size, args.ab, in_order=True)
+            else:
+                probe(b, n, splits, page_size)
         if args.head_major:
             probe(b, n, splits, head_major=True)
 

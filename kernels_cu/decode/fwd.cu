@@ -11,17 +11,20 @@
 //     count are zero-filled, never read. In a paged cache every row is looked up on its own (page_size
 //     may be 1), and the page-table reads for a tile are issued one iteration before its copies, so
 //     their latency hides behind a tile of compute instead of stalling the copy;
-//   - each of the 4 warps takes 16 keys of every tile and keeps its own online softmax over them:
+//   - each warp (BN / 16 of them) takes 16 keys of every tile and keeps its own online softmax over them:
 //     S (16 x 16) = Q K^T on mma.sync m16n8k16 (fp32 accumulation), mask, exp2 with the scale folded
 //     into one multiply, O (16 x D) += P V with P straight from the S registers;
-//   - after the loop the 4 warps' (max, sum, O) are merged through shared memory (the drained ring).
+//   - after the loop the warps' (max, sum, O) are merged through shared memory (the drained ring).
 // One split writes O (input dtype) and LSE; several write fp32 partials that decode/combine.cu merges,
 // launched on sm_90+ as this kernel's programmatic dependent (see grid_dependents_launch() below).
 // Every tile gets the per-element mask (key < keys of the entry, causal / window bottom-right): the kernel
 // is memory-bound and the compare is free next to the loads.
 //
-// Compile-time constants (cuflash/decode.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES,
-// CUFLASH_PAGED (0/1), CUFLASH_DTYPE.
+// Compile-time constants (cuflash/decode.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_N (16 per warp), CUFLASH_STAGES,
+// CUFLASH_PAGED (0/1), CUFLASH_DTYPE; CUFLASH_PROBE_NO_COMPUTE (timing probes only: no attention math).
+#ifndef CUFLASH_PROBE_NO_COMPUTE
+#define CUFLASH_PROBE_NO_COMPUTE 0
+#endif
 #include "common/fast_divmod.cuh"
 #include "common/mask.cuh"
 #include "common/ptx.cuh"
@@ -33,11 +36,10 @@ constexpr int BN = CUFLASH_BLOCK_N;
 constexpr int STAGES = CUFLASH_STAGES;
 constexpr bool PAGED = CUFLASH_PAGED;
 constexpr int BM = 16;  // rows per block: one m16 tile
-constexpr int WARPS = 4;
+constexpr int WN = 16;  // keys of each tile that one warp owns: its P is exactly one 16 x 16 A fragment of P V
+constexpr int WARPS = BN / WN;
 constexpr int THREADS = WARPS * 32;
-constexpr int WN = BN / WARPS;  // keys of each tile that one warp owns
-static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
-static_assert(WN == 16, "a warp's P must be exactly one 16 x 16 A fragment of the P V product");
+static_assert(BN % WN == 0 && THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(STAGES >= 2 && D % 64 == 0, "a ring of at least two swizzled stages");
 
 // The tile copy: thread tid copies 16-byte chunk (tid % CHUNKS) of rows tid / CHUNKS + ROWS_PER_PASS * i.
@@ -163,8 +165,9 @@ __device__ __forceinline__ void attend(const QAddr& q, const KVAddr& k, const KV
     }
 }
 
-// At least two blocks per SM (two rings in flight; registers <= 255 either way).
-extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_fwd(const DecodeParams p) {
+// Two blocks of 4 warps per SM (two rings in flight; registers <= 255 either way); 8 warps fill the
+// schedulers twice over in one block.
+extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) decode_fwd(const DecodeParams p) {
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
     __shared__ float warp_max[WARPS][BM], warp_sum[WARPS][BM];
@@ -260,8 +263,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) decode_fwd(const Decode
                 if (next + 1 < t_hi) kv.lookup(next + 1, page, within);
         }
         cp_async_commit();
+#if CUFLASH_PROBE_NO_COMPUTE  // timing only (scripts/decode_probe.py --ab): the copies without the math
+        if (o[0][0] == 1.2345f) row_sum[0] += float(n);
+#else
         attend(q_addr, k_addr, v_addr, (n % STAGES) * sizeof(KVTile), warp * WN, tile * BN + warp * WN + 2 * t, vis_lo,
                vis_hi, p, row_max, row_sum, o);
+#endif
     }
     cp_async_wait<0>();
 
