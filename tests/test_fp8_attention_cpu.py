@@ -187,7 +187,7 @@ def test_reference_takes_the_quantiser_s_output():
 @pytest.mark.parametrize("case", REF_CASES, ids=REF_IDS)
 def test_score_error_bound_is_the_largest_absolute_product_sum(case):
     """fp8_score_error_bound = scale * max over (head, query, key of the head's group) of
-    (d / 32) sum_i |q_i k_i| + (d / 4) |sum_i q_i k_i| (the second term only with aligned=True), times
+    (d / 32 + 1) sum_i |q_i k_i| + (d / 4) |sum_i q_i k_i| (the second term only with aligned=True), times
     2^-14: computed directly here, query head by query head (GQA groups adjacent)."""
     b, sq, sk, h, hkv, d, nq, nk, q_block, kv_block, _ = case
     rng = np.random.default_rng(sum(case[:6]) + 1)
@@ -201,7 +201,7 @@ def test_score_error_bound_is_the_largest_absolute_product_sum(case):
                 qx = value[qd[bi, i, hi]] * qs[bi, hi, 0 if qs.shape[2] == 1 else i // q_block]
                 for j in range(sk):
                     kx = value[kd[bi, j, hk]] * ks[bi, hk, 0 if ks.shape[2] == 1 else j // kv_block]
-                    random_part = (d / 32) * float(np.abs(qx) @ np.abs(kx))
+                    random_part = (d / 32 + 1) * float(np.abs(qx) @ np.abs(kx))
                     largest[False] = max(largest[False], random_part)
                     largest[True] = max(largest[True], random_part + (d / 4) * abs(float(qx @ kx)))
     for scale in (None, 0.7):

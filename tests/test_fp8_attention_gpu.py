@@ -10,8 +10,8 @@ the quantisation of the inputs is not part of the difference; what is left is th
   (a) the scores: products of e4m3 values are exact, their sums go through the FP8 tensor cores'
       accumulator, which drops low bits as it adds them (about 14 bits kept: the DeepSeek-V3 report) by an
       amount that follows the running sum. ``reference.fp8_score_error_units`` models what
-      test_score_error_within_bound measures: (d / 32) 2^-14 scale sum_i |q_i k_i| for a random key (~1e-3
-      at d = 64, ~7e-3 at d = 256 here, more with a larger softmax scale), plus (d / 4) 2^-14 scale
+      test_score_error_within_bound measures: (d / 32 + 1) 2^-14 scale sum_i |q_i k_i| for a random key
+      (~1.5e-3 at d = 64, ~8e-3 at d = 256 here, more with a larger softmax scale), plus (d / 4) 2^-14 scale
       |sum_i q_i k_i|, which matters for a key aligned with its query (a dominant "needle": the row's LSE
       moves with its score); softmax turns a score error e into a relative weight error e, and an error
       common to a row's dominant keys moves its LSE, not its weights;
