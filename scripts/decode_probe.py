@@ -143,9 +143,10 @@ def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
 
 
 @contextmanager
-def decode_config(block_n=None, stages=None, no_compute=False):
+def decode_config(block_n=None, stages=None, no_compute=False, num_splits=None):
     """Decode calls at head dim D take ``block_n`` keys per tile (one warp per 16) in ``stages`` ring
-    slots, and with ``no_compute`` the timing-only variant without the attention math."""
+    slots, and with ``no_compute`` the timing-only variant without the attention math. (``num_splits``
+    is ab()'s: the split count instead of the heuristic's.)"""
     saved, built = heuristics.DECODE_TILES[D], decode.fwd_variant
     if block_n:
         heuristics.DECODE_TILES[D] = heuristics.DecodeTiles(block_n=block_n, stages=stages)
@@ -160,10 +161,16 @@ def decode_config(block_n=None, stages=None, no_compute=False):
         heuristics.DECODE_TILES[D], decode.fwd_variant = saved, built
 
 
-AB_CONFIGS = {  # name -> decode_config's arguments. Session 17 (H200, us): 1 x 32k table 39.1, no math 36.9,
-    # 128 keys x 2 / x 3 (8 warps) 41.1 / 39.6; page size 1 44.3 / 41.0 / 50.4 / 50.2 (plain read 31.9)
+# name -> decode_config's arguments. Session 17 on the H200 (us; plain read of the K/V bytes 31.5-32.2 at
+# 1 x 32k, 117 at 16 x 8k): 1 x 32k contiguous table 39.1, no math 36.9, 128 keys x 2 / x 3 (8 warps)
+# 41.1 / 39.6; page size 1 table 43.9-44.3, no math 40.1-41.0, 8-warp tiles 50+, 16 splits 45.8; page 16
+# 43.3 / 40.1, 16 splits 43.7; 16 x 8k page 1 128.3 / 126.7, page 16 128.4 / 125.4. A paged tile's page
+# table read 2 or 3 tiles ahead of its copies (not one) was slower everywhere (1 x 32k page 1 45.5 / 45.8,
+# 16 x 8k 133.5 / 134.4): the lookups' latency is not what the paged rows lose.
+AB_CONFIGS = {
     "table": {},
     "no math (timing only)": dict(no_compute=True),
+    "table, 16 splits": dict(num_splits=16),
 }
 
 
@@ -175,7 +182,8 @@ def ab(batch, cache_len, page_size, rounds, in_order=False):
     for _ in range(rounds):
         for name, config in AB_CONFIGS.items():
             with decode_config(**config):
-                ns = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=bool(page_size))
+                ns = config.get("num_splits") or kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len,
+                                                                    paged=bool(page_size))
                 ws = cupy.empty(kvcache_workspace_bytes(batch, HEADS, 1, D, ns), dtype=cupy.uint8)
                 times[name].append(replay_us(lambda: cuflash.flash_attn_with_kvcache(
                     q, k, v, cache_seqlens=seqlens, page_table=table, num_splits=ns, check=False, out=out,

@@ -1,8 +1,8 @@
 """Host-side cost of one cuflash call: Python time per call (the launch is asynchronous, so a loop of
 calls without synchronising measures the host path alone), per implementation, and a cProfile of the
-FA3 forward's host path. Small shapes, so the GPU never holds the loop back.
+FA3 forward's and of the decode call's host paths. Small shapes, so the GPU never holds the loop back.
 
-    python scripts/host_overhead.py [--calls 2000]
+    python scripts/host_overhead.py [--calls 2000] [--top 18]
 """
 import argparse
 import cProfile
@@ -13,6 +13,7 @@ import cupy
 import numpy as np
 
 import cuflash
+from cuflash.api import kvcache_num_splits, kvcache_workspace_bytes
 
 
 def per_call_us(fn, calls):
@@ -29,6 +30,7 @@ def per_call_us(fn, calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=18, help="functions per cProfile listing")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     q, k, v = (cupy.asarray(rng.standard_normal((1, 128, 2, 128), dtype=np.float32)).astype("bfloat16")
@@ -42,15 +44,33 @@ def main():
     for impl in cuflash.available_impls("backward"):
         us = per_call_us(lambda: cuflash.flash_attn_backward(q, q, k, v, out, lse, causal=True, impl=impl), args.calls)
         print(f"{impl} backward: {us:6.1f} us per call (host)")
+    # decode as a serving loop calls it: no host reads (check=False), its own out and workspace
+    kq = cupy.asarray(rng.standard_normal((1, 1, 32, 128), dtype=np.float32)).astype("bfloat16")
+    kc, vc = (cupy.asarray(rng.standard_normal((1, 4096, 8, 128), dtype=np.float32)).astype("bfloat16")
+              for _ in range(2))
+    seqlens = cupy.full((1,), 4096, dtype=cupy.int32)
+    splits = kvcache_num_splits(1, 32, 8, 1, 128, 4096)
+    ws = cupy.empty(kvcache_workspace_bytes(1, 32, 1, 128, splits), dtype=cupy.uint8)
+    kout = cupy.empty_like(kq)
+
+    def decode_call():
+        return cuflash.flash_attn_with_kvcache(kq, kc, vc, cache_seqlens=seqlens, check=False, out=kout, workspace=ws)
+    print(f"decode (check=False, out, workspace; {splits} splits): {per_call_us(decode_call, args.calls):6.1f} us "
+          f"per call (host)")
+    print(f"decode (defaults: check=True): "
+          f"{per_call_us(lambda: cuflash.flash_attn_with_kvcache(kq, kc, vc, cache_seqlens=seqlens), args.calls):6.1f}"
+          f" us per call (host, with its copy of cache_seqlens to the host)")
     impl = cuflash.available_impls("forward")[-1]
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(args.calls):
-        cuflash.flash_attn_func(q, k, v, causal=True, impl=impl)
-    prof.disable()
-    cupy.cuda.get_current_stream().synchronize()
-    print(f"--- cProfile of {args.calls} {impl} forward calls (by own time)")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    for name, fn in ((f"{impl} forward", lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl=impl)),
+                     ("decode", decode_call)):
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            fn()
+        prof.disable()
+        cupy.cuda.get_current_stream().synchronize()
+        print(f"--- cProfile of {args.calls} {name} calls (by own time)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
