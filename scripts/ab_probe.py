@@ -26,15 +26,16 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
-  fwd-d64-causal  FA3 forward bf16 d = 64 causal, N = 1k, 2k and 4k (0.84-0.92 of cuDNN): the table's tiles
-             (two consumer warpgroups, 128 keys, pingpong) against three warpgroups, 192 or 64 keys, no
-             pingpong, and the row maxima in 4 FMNMX chains
+  fwd-d64    FA3 forward bf16 d = 64, causal N = 1k, 2k, 4k and non-causal 2k, 8k (causal 2k 0.94 of cuDNN):
+             the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
+             three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
+             with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 512, 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-order] [fwd-d64-causal] [--rounds 5] [--reps 10]
+        [fwd-order] [fwd-d64] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -146,11 +147,13 @@ def list_variants() -> list:
                     window = _validate.window_bounds((-1, -1), causal, dims)
                     out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                                short_masked=fa3._short_masked(window, dims)))
-    for config in D64_CAUSAL.values():  # fwd_d64_causal's
+    for config in D64.values():  # fwd_d64's
         with config():
-            dims = _validate.Dims(1, 2048, 2048, 1, 1, 64, "bfloat16")
-            window = _validate.window_bounds((-1, -1), True, dims)
-            out.append(fa3.fwd_variant(64, "bfloat16", short_masked=fa3._short_masked(window, dims)))
+            for n, causal in D64_CASES:
+                dims = _validate.Dims(1, n, n, 1, 1, 64, "bfloat16")
+                window = _validate.window_bounds((-1, -1), causal, dims)
+                out.append(fa3.fwd_variant(64, "bfloat16", unmasked=fa3._unmasked(window, dims),
+                                           short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
 
@@ -307,26 +310,36 @@ def d64_tiles(**changes):
                          lambda table: table.update({64: dataclasses.replace(table[64], **changes)}))
 
 
-D64_CAUSAL = {  # name -> a new context manager per use
+def d64_3wg(**changes):
+    """d = 64 calls of three consumer warpgroups take FA3_TILES_3WG[64] with ``changes``."""
+    return tables_edited((heuristics.FA3_TILES_3WG,),
+                         lambda table: table.update({64: dataclasses.replace(table[64], **changes)}))
+
+
+D64 = {  # name -> a new context manager per use. Session 17: three warpgroups took causal rows from 2k
+    # (fwd-d64-causal then, TF/s, two -> three: 1k 268 -> 232, 2k 345 -> 371, 4k 391 -> 438); two warpgroups
+    # with 192 keys, 64 keys, no pingpong or 4 FMNMX chains did not beat two as tabled.
     "table": as_is,
-    "3 warpgroups": lambda: short_masked_rows_at(0),
-    "192 keys": lambda: d64_tiles(block_n=192),
-    "64 keys": lambda: d64_tiles(block_n=64),
-    "no pingpong": lambda: d64_tiles(pingpong=False),
+    "2 warpgroups": lambda: short_masked_rows_at(1 << 30),
+    "3wg no pingpong": lambda: d64_3wg(pingpong=False),
+    "3wg 3 stages": lambda: d64_3wg(stages=3),
+    "3wg no overlap": lambda: d64_3wg(intra_wg_overlap=False),
+    "3wg exp2 emu 4": lambda: d64_3wg(exp2_emu=4),
     # (the softmax outlasts the GEMMs at d = 64: each row's maximum is a chain of 32 dependent FMNMX)
     "4 max chains": lambda: defines_added("fwd_variant", *MAX_CHAINS_4),
 }
+D64_CASES = ((1024, True), (2048, True), (4096, True), (2048, False), (8192, False))  # (N, causal)
 
 
-def fwd_d64_causal(rounds, reps):
-    """FA3 forward d = 64 causal at short rows: the table's tiles against the alternatives of D64_CAUSAL."""
+def fwd_d64(rounds, reps):
+    """FA3 forward d = 64: the table's tiles against the alternatives of D64, at D64_CASES."""
     import cuflash
 
-    for n in (1024, 2048, 4096):
+    for n, causal in D64_CASES:
         b, h, (q, k, v) = bench_shape(64, n, 3)
-        interleaved(f"fa3 bf16 d=64 N={n} causal", D64_CAUSAL,
-                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"),
-                    4 * b * h * n * n * 64 / 2, rounds, reps)
+        interleaved(f"fa3 bf16 d=64 N={n} causal={causal}", D64,
+                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"),
+                    4 * b * h * n * n * 64 / (2 if causal else 1), rounds, reps)
 
 
 @contextmanager
@@ -372,7 +385,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
-            "fwd-d64-causal": fwd_d64_causal}
+            "fwd-d64": fwd_d64}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
