@@ -337,7 +337,10 @@ def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool,
     kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
     fit = tile_order.section_fit(kv_bytes, heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k) << 10)
     window = window_bounds(s.window, s.causal, s.dims())
-    costs = tile_order.tile_costs(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window, s.group if pack else 1)
+    if pack:
+        costs = tile_order.tile_costs(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window, s.group)
+    else:  # (the traffic below counts the tiles from row 0: the shift moves one tile's spare rows)
+        costs = tile_order.row_shift(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window)[1]
     section, _ = tile_order.choose(m_blocks, pairs, grid, fit, costs)
     m_block, pair = tile_order.linear_order(m_blocks, pairs, section)
     for m, p in zip(m_block.tolist(), pair.tolist()):
