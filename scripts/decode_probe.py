@@ -171,6 +171,11 @@ AB_CONFIGS = {
     "table": {},
     "no math (timing only)": dict(no_compute=True),
     "table, 16 splits": dict(num_splits=16),
+    # the copy pipeline's bytes in flight: a plain read needs ~64 KB per SM for 33 us at 1 x 32k (32 KB:
+    # 34.5); the table's 3 stages of 32 KB hold between one and two tiles in flight
+    "no math, 2 stages": dict(block_n=64, stages=2, no_compute=True),
+    "no math, 6 stages": dict(block_n=64, stages=6, no_compute=True),
+    "6 stages": dict(block_n=64, stages=6),
 }
 
 
