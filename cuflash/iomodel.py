@@ -334,14 +334,10 @@ def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool,
     ``grid`` tiles. Sections of (head, batch) pairs come one after the other, each from its last query block
     down, its heads fastest."""
     pairs = heads * s.batch
-    kv_bytes = s.seqlen_k * _atom_cols(s.headdim) * 2 * 2 // (1 if pack else s.group)
-    fit = tile_order.section_fit(kv_bytes, heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k) << 10)
-    window = window_bounds(s.window, s.causal, s.dims())
-    if pack:
-        costs = tile_order.tile_costs(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window, s.group)
-    else:  # (the traffic below counts the tiles from row 0: the shift moves one tile's spare rows)
-        costs = tile_order.row_shift(m_blocks, block_m, block_n, s.seqlen_q, s.seqlen_k, window)[1]
-    section, _ = tile_order.choose(m_blocks, pairs, grid, fit, costs)
+    dims = s.dims()
+    # (the traffic below counts the tiles from row 0: a row shift moves one tile's spare rows)
+    section, _, _ = fa3.schedule(dims, window_bounds(s.window, s.causal, dims), block_m, block_n, 2,
+                                 heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k), pack, grid, not pack)
     m_block, pair = tile_order.linear_order(m_blocks, pairs, section)
     for m, p in zip(m_block.tolist(), pair.tolist()):
         yield m, p % heads, p // heads
