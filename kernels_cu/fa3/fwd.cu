@@ -336,7 +336,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
 // swizzle the tensor map expects (16-byte chunk c of row r at chunk c ^ (r % 8): each warp's stores hit
 // 32 different banks), then one thread stores the ATOMS boxes of 64 x 64. The previous tile's store must
 // have finished reading the buffer first. The LSE goes from registers as in store_output. row0: the
-// warpgroup's first row (rows before 0 or past the end: the TMA store leaves them out).
+// warpgroup's first row, >= 0 (rows past the end the TMA store leaves out).
 __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const TensorMap* map_o, unsigned char* o_smem,
                                                  const float (&o)[OD / 2], const OnlineSoftmax& sm, float o_scale,
                                                  int c, int t, int row0, int head, int batch) {
@@ -355,7 +355,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
                 elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
         const int global_row = row0 + row;
-        if (q4 == 0 && global_row >= 0 && global_row < p.seqlen_q)
+        if (q4 == 0 && global_row < p.seqlen_q)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
                 l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
     }
@@ -660,7 +660,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         // FP8: O is in units of the last tile's V descale
         const float v_scale = FP8 ? descale.v(p) : 1.f;
-        if constexpr (STORE_O_TMA)
+        // A TMA store's box may reach past the end of the tensor but must not start before it (a negative
+        // coordinate faults with an illegal instruction; loads may start there): a warpgroup with rows
+        // before 0 (row_shift) stores from registers. The condition is uniform over the warpgroup.
+        if (STORE_O_TMA && row0 + c * 64 >= 0)
             store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t, row0 + c * 64,
                              tile.head, tile.batch);
         else
