@@ -16,9 +16,10 @@ def has_gpu() -> bool:
 
 
 def device_id() -> int:
-    import cupy
+    """The current CUDA device (cupy.cuda.Device().id without building a Device object)."""
+    from cupy_backends.cuda.api import runtime
 
-    return cupy.cuda.Device().id
+    return runtime.getDevice()
 
 
 @functools.lru_cache(maxsize=None)

@@ -323,9 +323,9 @@ def get_function(variant: Variant):
     import cupy
     from cupy_backends.cuda.api import driver
 
-    from ._device import arch_for_device
+    from ._device import arch_for_device, device_id
 
-    dev = cupy.cuda.Device().id
+    dev = device_id()
     fn = _loaded.get((variant, dev))
     if fn is not None:
         return fn
@@ -401,6 +401,19 @@ def _libcuda():
     return _libcuda_handle
 
 
+_pdl_attribute_pointer = None
+
+
+def _pdl_attribute():
+    """A pointer to the one launch attribute launch_dependent passes (built once: the driver only reads it)."""
+    global _pdl_attribute_pointer
+    if _pdl_attribute_pointer is None:
+        attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value.programmaticStreamSerializationAllowed = 1
+        _pdl_attribute_pointer = ctypes.pointer(attr)  # (the pointer keeps the structure alive)
+    return _pdl_attribute_pointer
+
+
 def launch_dependent(variant: Variant, grid: tuple[int, ...], args, stream) -> None:
     """Launch ``variant`` like :func:`launch`, as the programmatic dependent of the kernel launched before
     it on ``stream`` (the programmatic-stream-serialisation attribute): its blocks may start once every
@@ -423,14 +436,11 @@ def launch_dependent(variant: Variant, grid: tuple[int, ...], args, stream) -> N
         raise TypeError("launch_dependent takes numpy arrays (params structs) as kernel arguments")
     fn = get_function(variant)
     gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-    attr = CUlaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.programmaticStreamSerializationAllowed = 1
     if stream is None:
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-    config = CUlaunchConfig(gx, gy, gz, variant.threads, 1, 1, variant.smem_bytes, stream.ptr,
-                            ctypes.pointer(attr), 1)
+    config = CUlaunchConfig(gx, gy, gz, variant.threads, 1, 1, variant.smem_bytes, stream.ptr, _pdl_attribute(), 1)
     params = (ctypes.c_void_p * len(args))(*(a.ctypes.data for a in args))
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn.ptr, params, None)
     if err:

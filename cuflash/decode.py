@@ -177,35 +177,49 @@ def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
 
-def _strides(p, prefix: str, a, axes=("batch", "row", "head")) -> None:
-    item = a.dtype.itemsize
-    for axis, name in enumerate(axes):
-        p[f"{prefix}_{name}_stride"] = a.strides[axis] // item
+_STRIDE_NAMES: dict = {}
+
+
+def _strides(fields: dict, prefix: str, a, axes=("batch", "row", "head")) -> None:
+    """``a``'s strides in elements into ``fields`` as <prefix>_<axis>_stride."""
+    names = _STRIDE_NAMES.get((prefix, axes))
+    if names is None:
+        names = _STRIDE_NAMES[prefix, axes] = tuple(f"{prefix}_{axis}_stride" for axis in axes)
+    item, strides = a.dtype.itemsize, a.strides
+    for axis, name in enumerate(names):
+        fields[name] = strides[axis] // item
 
 
 def _row_stride(a) -> int:
     return 0 if a is None else a.strides[0] // a.dtype.itemsize
 
 
+def _struct(dtype: np.dtype, fields: dict) -> np.ndarray:
+    """A one-element array of the params struct ``dtype`` holding ``fields`` (0 for the others), written in
+    one assignment: a numpy field write costs about a microsecond of Python, and a decode call has ~60."""
+    p = np.zeros(1, dtype)
+    p[0] = tuple(fields.get(name, 0) for name in dtype.names)
+    return p
+
+
 def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin,
            dims: KvDims, interleaved: bool, q_position_step: int, stream) -> None:
     """Write k/v (rotary applied to k) into the caches at cache_seqlens; rotate q into ``q_rot``.
     Either part is skipped when it has nothing to do (no k/v; no rotary)."""
-    p = np.zeros(1, APPEND_PARAMS)
-    for name, a in (("k_new", k), ("v_new", v), ("k_cache", k_cache), ("v_cache", v_cache), ("q", q), ("q_rot", q_rot),
-                    ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
-                    ("page_table", page_table), ("cache_batch_idx", cache_batch_idx)):
-        p[name] = _ptr(a)
+    f = {name: _ptr(a) for name, a in (
+        ("k_new", k), ("v_new", v), ("k_cache", k_cache), ("v_cache", v_cache), ("q", q), ("q_rot", q_rot),
+        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+        ("page_table", page_table), ("cache_batch_idx", cache_batch_idx))}
     for prefix, a in (("kn", k), ("vn", v), ("kc", k_cache), ("vc", v_cache), ("q", q), ("qr", q_rot)):
         if a is not None:
-            _strides(p, prefix, a)
-    p["page_table_stride"] = _row_stride(page_table)
-    p["rotary_stride"] = _row_stride(rotary_cos)
-    p["batch"], p["seqlen_new"], p["seqlen_q"] = dims.batch, dims.seqlen_new, dims.seqlen_q
-    p["heads"], p["kv_heads"], p["headdim"] = dims.heads, dims.kv_heads, dims.headdim
-    p["rotary_dim"] = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
-    p["page_size"] = dims.page_size
-    p["q_position_step"], p["interleaved"] = q_position_step, int(interleaved)
+            _strides(f, prefix, a)
+    f["page_table_stride"], f["rotary_stride"] = _row_stride(page_table), _row_stride(rotary_cos)
+    f["batch"], f["seqlen_new"], f["seqlen_q"] = dims.batch, dims.seqlen_new, dims.seqlen_q
+    f["heads"], f["kv_heads"], f["headdim"] = dims.heads, dims.kv_heads, dims.headdim
+    f["rotary_dim"] = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    f["page_size"] = dims.page_size
+    f["q_position_step"], f["interleaved"] = q_position_step, int(interleaved)
+    p = _struct(APPEND_PARAMS, f)
     rows_per_block = AUX_THREADS // 32
     if k is not None and dims.seqlen_new:
         rows = dims.batch * dims.seqlen_new * dims.kv_heads
@@ -223,25 +237,24 @@ def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batc
     heads, d) and ``lse_partial`` (num_splits, batch, heads, seqlen_q), fp32 scratch, and the combine
     kernel merges them into out/lse."""
     variant = fwd_variant(dims.headdim, dims.dtype, dims.paged)
-    p = np.zeros(1, FWD_PARAMS)
-    for name, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse), ("o_partial", o_partial),
-                    ("lse_partial", lse_partial), ("cache_seqlens", cache_seqlens), ("page_table", page_table),
-                    ("cache_batch_idx", cache_batch_idx)):
-        p[name] = _ptr(a)
+    f = {name: _ptr(a) for name, a in (
+        ("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse), ("o_partial", o_partial),
+        ("lse_partial", lse_partial), ("cache_seqlens", cache_seqlens), ("page_table", page_table),
+        ("cache_batch_idx", cache_batch_idx))}
     for prefix, a in (("q", q), ("k", k_cache), ("v", v_cache), ("o", out)):
-        _strides(p, prefix, a)
-    p["page_table_stride"] = _row_stride(page_table)
-    p["batch"], p["heads"], p["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
-    p["seqlen_q"], p["seqlen_new"], p["page_size"] = dims.seqlen_q, dims.seqlen_new, dims.page_size
+        _strides(f, prefix, a)
+    f["page_table_stride"] = _row_stride(page_table)
+    f["batch"], f["heads"], f["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
+    f["seqlen_q"], f["seqlen_new"], f["page_size"] = dims.seqlen_q, dims.seqlen_new, dims.page_size
     mb = m_blocks(dims)
-    p["num_splits"], p["m_blocks"] = num_splits, mb
-    p["window_left"], p["window_right"] = window
+    f["num_splits"], f["m_blocks"] = num_splits, mb
+    f["window_left"], f["window_right"] = window
     if softcap > 0:
-        p["scale_log2"], p["softcap_pre"] = softcap * LOG2E, scale / softcap
+        f["scale_log2"], f["softcap_pre"] = softcap * LOG2E, scale / softcap
     else:
-        p["scale_log2"], p["softcap_pre"] = scale * LOG2E, 0.0
+        f["scale_log2"], f["softcap_pre"] = scale * LOG2E, 0.0
     grid = (num_splits * mb, dims.kv_heads, dims.batch)
-    launch(variant, grid, (p,), stream)
+    launch(variant, grid, (_struct(FWD_PARAMS, f),), stream)
     if num_splits > 1:
         combine(o_partial, lse_partial, out, lse, stream, after_split=True)
 
@@ -252,11 +265,11 @@ def combine(o_partial, lse_partial, out, lse, stream, *, after_split: bool = Fal
     ``after_split``: the partials are being written by the kernel launched just before on ``stream``
     (decode_fwd): launch as its programmatic dependent. Otherwise (flash_attn_combine) an ordinary launch."""
     ns, b, s, h, d = o_partial.shape
-    p = np.zeros(1, COMBINE_PARAMS)
-    p["o_partial"], p["lse_partial"], p["o"], p["lse"] = o_partial.data.ptr, lse_partial.data.ptr, out.data.ptr, lse.data.ptr
-    _strides(p, "op", o_partial, ("split", "batch", "row", "head"))
-    _strides(p, "lp", lse_partial, ("split", "batch", "head", "row"))
-    _strides(p, "o", out)
-    p["num_splits"], p["batch"], p["seqlen"], p["heads"], p["headdim"] = ns, b, s, h, d
+    f = {"o_partial": o_partial.data.ptr, "lse_partial": lse_partial.data.ptr, "o": out.data.ptr, "lse": lse.data.ptr,
+         "num_splits": ns, "batch": b, "seqlen": s, "heads": h, "headdim": d}
+    _strides(f, "op", o_partial, ("split", "batch", "row", "head"))
+    _strides(f, "lp", lse_partial, ("split", "batch", "head", "row"))
+    _strides(f, "o", out)
+    p = _struct(COMBINE_PARAMS, f)
     grid = (-(-b * s * h // (AUX_THREADS // 32)),)  # one warp per row
     (launch_dependent if after_split else launch)(combine_variant(str(out.dtype)), grid, (p,), stream)

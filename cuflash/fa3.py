@@ -43,7 +43,7 @@ PARAMS = np.dtype(
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
     + pointer_fields("q_descale", "k_descale", "v_descale")
     + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")]
-    + [("sched_section", np.int32), ("sched_serpentine", np.int32)],
+    + [("sched_section", np.int32), ("sched_serpentine", np.int32), ("row_shift", np.int32)],
     align=True,
 )
 FP8_TRANSPOSE_PARAMS = np.dtype(
@@ -282,36 +282,41 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     budget = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
-    grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack)
+    grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack, shift_rows=cu_q is None and not pack)
     launch(variant, (grid,), (map_q, map_k, map_v, map_o, p), stream)
 
 
 def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int,
-                  pack: bool = False) -> int:
-    """The persistent forward's tile order into ``p`` (sched_section, sched_serpentine: ``schedule``) for
-    tiles of block_m query rows and block_n keys; returns the grid (one block per SM, at most one per tile).
-    ``pack``: GQA packing (a tile's rows are the (query, head) pairs of a KV head's group)."""
+                  pack: bool = False, shift_rows: bool = False) -> int:
+    """The persistent forward's tile order into ``p`` (sched_section, sched_serpentine, row_shift:
+    ``schedule``) for tiles of block_m query rows and block_n keys; returns the grid (one block per SM, at
+    most one per tile). ``pack``: GQA packing (a tile's rows are the (query, head) pairs of a KV head's
+    group); ``shift_rows``: the variant takes a row_shift."""
     m_blocks = -(-dims.seqlen_q * (dims.heads // dims.kv_heads if pack else 1) // block_m)
     pairs = (dims.kv_heads if pack else dims.heads) * dims.batch
     grid = min(m_blocks * pairs, _sm_count())  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
-    p["sched_section"], p["sched_serpentine"] = schedule(dims, window, block_m, block_n, elem_bytes, budget_kib,
-                                                         pack, grid)
+    p["sched_section"], p["sched_serpentine"], p["row_shift"] = schedule(
+        dims, window, block_m, block_n, elem_bytes, budget_kib, pack, grid, shift_rows)
     return grid
 
 
 def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int, pack: bool,
-             grid: int) -> tuple[int, bool]:
-    """(pairs per L2 section, serpentine) of the forward's tiles on ``grid`` persistent blocks, as
-    cuflash/tile_order.py chooses them within ``budget_kib`` of K/V per section (also cuflash.iomodel's)."""
+             grid: int, shift_rows: bool = False) -> tuple[int, bool, int]:
+    """(pairs per L2 section, serpentine, row_shift) of the forward's tiles on ``grid`` persistent blocks, as
+    cuflash/tile_order.py chooses them within ``budget_kib`` of K/V per section; the row shift only with
+    ``shift_rows`` (tile_order.row_shift decides). Also cuflash.iomodel's."""
     group = dims.heads // dims.kv_heads
     m_blocks = -(-dims.seqlen_q * (group if pack else 1) // block_m)
     pairs = (dims.kv_heads if pack else dims.heads) * dims.batch
     # K and V of a (head, batch) pair, rows of whole 128-byte atoms; a GQA group's query heads share them
     kv_bytes = dims.seqlen_k * (-(-dims.headdim * elem_bytes // 128) * 128) * 2 // (1 if pack else group)
     fit = tile_order.section_fit(kv_bytes, budget_kib << 10)
-    costs = tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window,
-                                  group if pack else 1)
-    return tile_order.choose(m_blocks, pairs, grid, fit, costs)
+    if shift_rows:
+        shift, costs = tile_order.row_shift(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window)
+    else:
+        shift, costs = 0, tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window,
+                                                group if pack else 1)
+    return (*tile_order.choose(m_blocks, pairs, grid, fit, costs), shift)
 
 
 def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int, kv_block: int, dims: Dims,

@@ -21,8 +21,20 @@ _TORCH_E4M3 = "torch.float8_e4m3fn"
 _BYTE_DTYPES = ("uint8", "torch.uint8")  # how uint8 spells itself in CuPy/NumPy/JAX and in torch
 
 
+_DTYPE_TEXT: dict = {}
+
+
 def _dtype_text(x) -> str:
-    return str(getattr(x, "dtype", ""))
+    """``str(x.dtype)`` ("" without one), memoised per dtype: numpy builds the string in Python each time, and
+    every flash_attn_func call asks for its three inputs' twice."""
+    dt = getattr(x, "dtype", None)
+    try:
+        return _DTYPE_TEXT[dt]
+    except KeyError:
+        text = _DTYPE_TEXT[dt] = "" if dt is None else str(dt)
+        return text
+    except TypeError:  # an unhashable dtype object
+        return str(dt)
 
 
 def _is_default_block(descale_block) -> bool:

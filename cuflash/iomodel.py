@@ -335,8 +335,9 @@ def _fa3_tile_order(s: _Shape, m_blocks: int, heads: int, grid: int, pack: bool,
     down, its heads fastest."""
     pairs = heads * s.batch
     dims = s.dims()
-    section, _ = fa3.schedule(dims, window_bounds(s.window, s.causal, dims), block_m, block_n, 2,
-                              heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k), pack, grid)
+    # (the traffic below counts the tiles from row 0: a row shift moves one tile's spare rows)
+    section, _, _ = fa3.schedule(dims, window_bounds(s.window, s.causal, dims), block_m, block_n, 2,
+                                 heuristics.fa3_l2_section_kib(s.headdim, s.seqlen_k), pack, grid, not pack)
     m_block, pair = tile_order.linear_order(m_blocks, pairs, section)
     for m, p in zip(m_block.tolist(), pair.tolist()):
         yield m, p % heads, p // heads

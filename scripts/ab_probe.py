@@ -30,12 +30,15 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
              three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
              with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
+  fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
+             that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
+             end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 512, 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-order] [fwd-d64] [--rounds 5] [--reps 10]
+        [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -343,6 +346,46 @@ def fwd_d64(rounds, reps):
 
 
 @contextmanager
+def rows_from_zero():
+    """fa3's launches tile the query rows from row 0 (no row_shift: the spare rows after the end)."""
+    shifted = tile_order.row_shift
+
+    def unshifted(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window):
+        return 0, tile_order.tile_costs(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window)
+
+    tile_order.row_shift = unshifted
+    try:
+        yield
+    finally:
+        tile_order.row_shift = shifted
+
+
+@contextmanager
+def three_warpgroups_from_row_0():
+    with short_masked_rows_at(0), rows_from_zero():
+        yield
+
+
+def fwd_row_shift(rounds, reps):
+    """FA3 forward, causal: the spare rows before row 0 (as built) against after the end; and at d = 64 N =
+    1k, where two warpgroups are tabled (three lost there with the spare rows at the end: 1024 = 5 x 192 +
+    64 leaves the dearest tile two thirds empty), three with the shift (16 % fewer K tiles) against both."""
+    import cuflash
+
+    cases = [(64, 2048, {"shifted": as_is, "from row 0": rows_from_zero}),
+             (64, 4096, {"shifted": as_is, "from row 0": rows_from_zero}),
+             (64, 8192, {"shifted": as_is, "from row 0": rows_from_zero}),
+             (128, 2048, {"shifted": as_is, "from row 0": rows_from_zero}),
+             (64, 1024, {"table (2 warpgroups)": as_is, "3 warpgroups, shifted": lambda: short_masked_rows_at(0),
+                         "3 warpgroups, from row 0": three_warpgroups_from_row_0})]
+    for d, n, configs in cases:
+        b, h, (q, k, v) = bench_shape(d, n, 3)
+        interleaved(f"fa3 bf16 d={d} N={n} causal", configs,
+                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"),
+                    4 * b * h * n * n * d / 2, rounds, reps)
+
+
+@contextmanager
 def old_tile_order():
     """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
     fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
@@ -385,7 +428,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
-            "fwd-d64": fwd_d64}
+            "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

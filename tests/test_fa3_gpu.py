@@ -57,6 +57,24 @@ def test_masked_d64_with_two_and_three_consumers(poison_allocations, monkeypatch
     _check(q, k, v, window=window)
 
 
+@pytest.mark.parametrize("seqlens", [(2048, 2048), (2200, 2200), (2048, 3000), (3000, 2500), (4096, 4096)])
+@pytest.mark.parametrize("window", [(-1, 0), (300, 0)])
+def test_three_consumers_with_rows_before_zero(poison_allocations, seqlens, window):
+    """Causal d = 64 from 2k rows: tiles of 192 rows, the spare rows of a length that is no multiple of
+    192 before row 0 (fa3.fill_schedule's row_shift; every causal case here takes one): Q rows loaded from
+    before the tensor (zero-filled by TMA), their O and LSE never written; Sq < Sk and Sq > Sk, and a
+    window (which takes the shift where it saves K tiles: 2048 and 4096 rows)."""
+    from cuflash import _validate, tile_order
+
+    sq, sk = seqlens
+    dims = _validate.Dims(1, sq, sk, 4, 2, 64, "bfloat16")
+    bounds = _validate.window_bounds(window, False, dims)
+    shift = tile_order.row_shift(-(-sq // 192), 192, 128, sq, sk, bounds)[0]
+    assert shift > 0 or window != (-1, 0)
+    q, k, v = _inputs(np.random.default_rng(), 1, sq, sk, 4, 2, 64, "bfloat16")
+    _check(q, k, v, window=window)
+
+
 @pytest.mark.parametrize("emu", [4, 2])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])

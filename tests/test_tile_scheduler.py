@@ -167,6 +167,44 @@ def test_tile_costs_count_the_kernels_k_tiles(seed):
     assert list(got) == want
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_shifted_tile_costs_count_the_rows_each_tile_holds(seed):
+    """tile_costs with a row_shift: query block m holds rows [m block_m - shift, ...) (fa3/fwd.cu), and a
+    tile's K tiles are those its real rows (0 .. seqlen_q - 1) see, counted row by row here."""
+    from cuflash import _validate
+
+    rng = np.random.default_rng(seed)
+    sq, sk = (int(x) for x in rng.integers(1, 700, 2))
+    block_m, block_n = int(rng.choice([64, 128, 192])), int(rng.choice([64, 80, 128]))
+    window = tuple(int(x) for x in rng.choice([-1, 0, 5, 100], 2))
+    dims = _validate.Dims(1, sq, sk, 1, 1, 64, "bfloat16")
+    left, right = _validate.window_bounds(window, bool(rng.integers(2)), dims)
+    if left >= sk and right >= sq:
+        return
+    m_blocks = -(-sq // block_m)
+    shift = int(rng.integers(0, m_blocks * block_m - sq + 1))
+    got = tile_order.tile_costs(m_blocks, block_m, block_n, sq, sk, (left, right), row_shift=shift)
+    for m in range(m_blocks):
+        blocks = set()
+        for row in range(max(0, m * block_m - shift), min(sq, (m + 1) * block_m - shift)):
+            lo, hi = max(0, row + sk - sq - left), min(sk - 1, row + sk - sq + right)
+            blocks.update(range(lo // block_n, hi // block_n + 1) if hi >= lo else ())
+        want = max(blocks) + 1 - min(blocks) if blocks else 0  # the kernel visits the span between
+        assert got[m] == want + 1, (m, shift)
+
+
+def test_row_shift_puts_the_spare_rows_where_they_cost_least():
+    """Causal d = 64 tiles of 192 rows at N = 2k (11 blocks, 64 spare rows): the shift takes them from the
+    last tile (2048 keys) to the first (128); without a mask, or where tiles of 128 rows see the same K
+    tiles either way, no shift."""
+    causal = tile_order.row_shift(11, 192, 128, 2048, 2048, (2048, 0))
+    assert causal[0] == 64 and sum(causal[1]) < sum(tile_order.tile_costs(11, 192, 128, 2048, 2048, (2048, 0)))
+    assert causal[1][0] == 2 and causal[1][-1] == 17  # rows -64 .. 127: one K tile; 1856 .. 2047: 16
+    assert tile_order.row_shift(11, 192, 128, 2048, 2048, (2048, 2048)) == (0, None)
+    assert tile_order.row_shift(8, 128, 128, 1000, 1000, (1000, 0))[0] == 0
+    assert tile_order.row_shift(22, 192, 128, 4096, 4096, (4096, 0))[0] == 128
+
+
 def test_choose():
     """The model's choices for the H200's shapes (grid 132): equal tiles take the budget's sections; d = 128,
     N = 2k causal (16 query blocks, 128 pairs, 2 fit in 2 MiB) takes 2-pair sections with the serpentine

@@ -306,7 +306,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(sm.row_sum[r]);
-        const bool in_sequence = qrow[r] < seq.seqlen_q;
+        const bool in_sequence = qrow[r] >= 0 && qrow[r] < seq.seqlen_q;  // (rows before 0: row_shift)
         const i64 row = i64(seq.q_start) + qrow[r];
         const int head = qhead[r];
         const float inv = l > 0.f ? o_scale / l : 0.f;
@@ -335,10 +335,11 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
 // The TMA-store epilogue of one consumer warpgroup: O / l to its 64-row slice of sm.o in the 128-byte
 // swizzle the tensor map expects (16-byte chunk c of row r at chunk c ^ (r % 8): each warp's stores hit
 // 32 different banks), then one thread stores the ATOMS boxes of 64 x 64. The previous tile's store must
-// have finished reading the buffer first. The LSE goes from registers as in store_output.
+// have finished reading the buffer first. The LSE goes from registers as in store_output. row0: the
+// warpgroup's first row, >= 0 (rows past the end the TMA store leaves out).
 __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const TensorMap* map_o, unsigned char* o_smem,
                                                  const float (&o)[OD / 2], const OnlineSoftmax& sm, float o_scale,
-                                                 int c, int t, int m64, int head, int batch) {
+                                                 int c, int t, int row0, int head, int batch) {
     const int w = t / 32, g = (t % 32) / 4, q4 = t % 4;
     if (t == 0) tma_store_wait_read();
     named_sync(EPILOGUE_BAR + c, 128);
@@ -353,7 +354,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
             *reinterpret_cast<u32*>(atom + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * q4) =
                 elem_t::pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
         }
-        const int global_row = m64 * 64 + row;
+        const int global_row = row0 + row;
         if (q4 == 0 && global_row < p.seqlen_q)
             p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
                 l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
@@ -362,7 +363,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     named_sync(EPILOGUE_BAR + c, 128);
     if (t == 0) {
 #pragma unroll
-        for (int a = 0; a < O_ATOMS; ++a) tma_store_4d(map_o, o_smem + a * 64 * 128, a * 64, m64 * 64, head, batch);
+        for (int a = 0; a < O_ATOMS; ++a) tma_store_4d(map_o, o_smem + a * 64 * 128, a * 64, row0, head, batch);
         tma_store_commit();
     }
 }
@@ -423,6 +424,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // VARLEN.
     const int m_blocks = PACK_GQA ? (p.seqlen_q * group + BM - 1) / BM : (p.seqlen_q + BM - 1) / BM;
     const int tile_heads = PACK_GQA ? p.kv_heads : p.heads;
+    // Query block m holds rows [m BM - row_shift, (m + 1) BM - row_shift): with a causal mask the host puts
+    // the spare rows of a length that is no multiple of BM before row 0, in the cheapest tile, instead of
+    // after the end in the dearest (cuflash/fa3.py fill_schedule; 0 for packed, variable-length and FP8).
+    const int row_shift = PACK_GQA || VARLEN || FP8 ? 0 : p.row_shift;
     // The order the tiles run in: sections of (head, batch) pairs whose K / V share L2, dealt round by round
     // (common/tile_scheduler.cuh), as the host chose them for this call (cuflash/tile_order.py).
     const bool serpentine = p.sched_serpentine != 0;
@@ -450,12 +455,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
             const Tile tile = sched.tile();
             const SeqInfo seq = sequence(p, tile.batch);
+            const int row0 = tile.m_block * BM - row_shift;
             int q_first, q_last;
-            query_span(tile.m_block * BM, BM, group, q_first, q_last);
+            query_span(row0, BM, group, q_first, q_last);
             if (q_first >= seq.seqlen_q) continue;  // a shorter sequence of a packed batch
             const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
             int n_lo, n_hi;
-            mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
+            mask.kv_block_range_rows<BN>(max(q_first, 0), min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
             if (n_lo == n_hi) continue;
             const int kv_head = PACK_GQA ? tile.head : tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
             mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
@@ -465,8 +471,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
                     tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
-                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + tile.m_block * BM, tile.head,
-                                                 tma_batch);
+                // (rows before 0 come zero-filled, as rows past the end do)
+                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + row0, tile.head, tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
@@ -501,20 +507,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
         const Tile tile = sched.tile();
         const SeqInfo seq = sequence(p, tile.batch);
+        const int row0 = tile.m_block * BM - row_shift;
         int q_first, q_last, wg_first, wg_last;
-        query_span(tile.m_block * BM, BM, group, q_first, q_last);
+        query_span(row0, BM, group, q_first, q_last);
         if (q_first >= seq.seqlen_q) continue;  // as the producer: no such rows
-        query_span(tile.m_block * BM + c * 64, 64, group, wg_first, wg_last);  // this warpgroup's rows
+        query_span(row0 + c * 64, 64, group, wg_first, wg_last);  // this warpgroup's rows
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
         int qrow[2], qhead[2];  // query row and head of this thread's two rows
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int row = tile.m_block * BM + c * 64 + 16 * w + g + 8 * r;
+            const int row = row0 + c * 64 + 16 * w + g + 8 * r;
             qrow[r] = PACK_GQA ? row / group : row;
             qhead[r] = PACK_GQA ? tile.head * group + row % group : tile.head;
         }
         int n_lo, n_hi;
-        mask.kv_block_range_rows<BN>(q_first, min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
+        mask.kv_block_range_rows<BN>(max(q_first, 0), min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
 #pragma unroll
         for (int j = 0; j < OD / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
@@ -653,9 +660,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         // FP8: O is in units of the last tile's V descale
         const float v_scale = FP8 ? descale.v(p) : 1.f;
-        if constexpr (STORE_O_TMA)
-            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t,
-                             tile.m_block * CONSUMERS + c, tile.head, tile.batch);
+        // A TMA store's box may reach past the end of the tensor but must not start before it (a negative
+        // coordinate faults with an illegal instruction; loads may start there): a warpgroup with rows
+        // before 0 (row_shift) stores from registers. The condition is uniform over the warpgroup.
+        if (STORE_O_TMA && row0 + c * 64 >= 0)
+            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t, row0 + c * 64,
+                             tile.head, tile.batch);
         else
             store_output(p, o, softmax, v_scale, seq, qrow, qhead, q4, tile.batch);
     }

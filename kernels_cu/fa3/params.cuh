@@ -22,6 +22,7 @@ struct Fa3FwdParams {
     const float* v_descale;
     int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
     int sched_section, sched_serpentine;  // the persistent scheduler's order (cuflash/tile_order.py)
+    int row_shift;  // query rows of the first query block before row 0 (fa3/fwd.cu; cuflash/fa3.py fill_schedule)
 };
 
 struct Fa3BwdParams {
