@@ -193,8 +193,10 @@ FA3_TILES_3WG = {
 # fewer, taller tiles, more of each on the diagonal, and fewer tiles than SMs at 1k). Session 8 (bench
 # suite, two warpgroups -> three, TF/s): N = 512 211 -> 188, 1k 286 -> 249, 2k 357 -> 343, 4k 405 -> 400,
 # 8k 438 -> 455, 16k 441 -> 467. Since the modelled tile order (cuflash/tile_order.py) three win from 2k
-# (ab_probe fwd-d64-causal, session 17, same process): 1k 268 -> 232, 2k 345 -> 371, 4k 391 -> 438.
-FA3_3WG_MIN_MASKED_SEQLEN = 2048
+# (ab_probe fwd-d64-causal, session 17, same process): 1k 268 -> 232, 2k 345 -> 371, 4k 391 -> 438. With
+# the spare rows before row 0 (tile_order.row_shift) three win from 1k (ab_probe fwd-row-shift, session 18:
+# 1k two 278, three 288, three without the shift 247).
+FA3_3WG_MIN_MASKED_SEQLEN = 1024
 
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
 # of two) as fit their K and V in a budget of KiB run together, so the blocks of a round share K/V in L2

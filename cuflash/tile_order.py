@@ -102,17 +102,23 @@ def tile_costs(m_blocks: int, block_m: int, block_n: int, seqlen_q: int, seqlen_
     return tuple(int(x) + 1 for x in visited)
 
 
+# Rows of one consumer warpgroup of the FA3 forward: a row shift moves whole warpgroups before row 0, so a
+# warpgroup's rows are either all before 0 (it stores nothing) or none are (a TMA store's box must not
+# start at a negative row: the H200 faults with an illegal instruction).
+SHIFT_GRANULE = 64
+
+
 def row_shift(m_blocks: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
               window: tuple[int, int]) -> tuple[int, tuple | None]:
     """(row_shift, tile costs) for a call whose query blocks may start before row 0 (fa3/fwd.cu: not packed,
     not variable-length, not FP8). When seqlen_q is no multiple of block_m one tile holds rows that do not
     exist: after the end as tiled from row 0, where a causal mask makes the tile the dearest (the bottom
-    rows see the most keys), or before row 0 in the cheapest tile with a shift of the spare rows. The shift
-    is taken where it lowers the sum of the tiles' costs (causal d = 64 tiles of 192 rows at N = 2k / 4k:
-    -5 % of the K tiles visited; 8k / 16k -1.5 %)."""
+    rows see the most keys), or before row 0 in the cheapest tile with a shift of the spare rows (in whole
+    warpgroups: SHIFT_GRANULE). The shift is taken where it lowers the sum of the tiles' costs (causal
+    d = 64 tiles of 192 rows at N = 2k / 4k: -5 % of the K tiles visited; 8k / 16k -1.5 %)."""
     costs = tile_costs(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window)
-    spare = m_blocks * block_m - seqlen_q
-    if costs is None or spare == 0:
+    shift = (m_blocks * block_m - seqlen_q) // SHIFT_GRANULE * SHIFT_GRANULE
+    if costs is None or shift == 0:
         return 0, costs
-    shifted = tile_costs(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window, row_shift=spare)
-    return (spare, shifted) if sum(shifted) < sum(costs) else (0, costs)
+    shifted = tile_costs(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window, row_shift=shift)
+    return (shift, shifted) if sum(shifted) < sum(costs) else (0, costs)

@@ -61,8 +61,8 @@ def test_masked_d64_with_two_and_three_consumers(poison_allocations, monkeypatch
 @pytest.mark.parametrize("window", [(-1, 0), (300, 0)])
 def test_three_consumers_with_rows_before_zero(poison_allocations, seqlens, window):
     """Causal d = 64 from 2k rows: tiles of 192 rows, the spare rows of a length that is no multiple of
-    192 before row 0 (fa3.fill_schedule's row_shift; every causal case here takes one): Q rows loaded from
-    before the tensor (zero-filled by TMA), their O and LSE never written; Sq < Sk and Sq > Sk, and a
+    192 before row 0 (fa3.fill_schedule's row_shift, whole warpgroups of 64 rows; every causal case here
+    takes one): Q rows loaded from before the tensor (zero-filled by TMA), their O and LSE never written; Sq < Sk and Sq > Sk, and a
     window (which takes the shift where it saves K tiles: 2048 and 4096 rows)."""
     from cuflash import _validate, tile_order
 

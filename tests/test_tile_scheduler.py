@@ -205,6 +205,21 @@ def test_row_shift_puts_the_spare_rows_where_they_cost_least():
     assert tile_order.row_shift(22, 192, 128, 4096, 4096, (4096, 0))[0] == 128
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_row_shift_moves_whole_warpgroups(seed):
+    """The shift is a multiple of a consumer warpgroup's 64 rows (a TMA store of O must not start before
+    row 0: a warpgroup's rows are all before 0 or none are), and at most the spare rows (the first tile keeps
+    a real row)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        block_m = int(rng.choice([64, 128, 192]))
+        sq, sk = (int(x) for x in rng.integers(1, 5000, 2))
+        m_blocks = -(-sq // block_m)
+        shift = tile_order.row_shift(m_blocks, block_m, 128, sq, sk, (sk, int(rng.choice([0, 7]))))[0]
+        assert shift % tile_order.SHIFT_GRANULE == 0 and 0 <= shift <= m_blocks * block_m - sq
+    assert tile_order.row_shift(6, 192, 128, 1030, 1030, (1030, 0))[0] == 64  # 122 spare rows: one warpgroup
+
+
 def test_choose():
     """The model's choices for the H200's shapes (grid 132): equal tiles take the budget's sections; d = 128,
     N = 2k causal (16 query blocks, 128 pairs, 2 fit in 2 MiB) takes 2-pair sections with the serpentine

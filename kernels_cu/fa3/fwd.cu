@@ -426,7 +426,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int tile_heads = PACK_GQA ? p.kv_heads : p.heads;
     // Query block m holds rows [m BM - row_shift, (m + 1) BM - row_shift): with a causal mask the host puts
     // the spare rows of a length that is no multiple of BM before row 0, in the cheapest tile, instead of
-    // after the end in the dearest (cuflash/fa3.py fill_schedule; 0 for packed, variable-length and FP8).
+    // after the end in the dearest (cuflash/fa3.py fill_schedule; 0 for packed, variable-length and FP8; a
+    // multiple of a warpgroup's 64 rows).
     const int row_shift = PACK_GQA || VARLEN || FP8 ? 0 : p.row_shift;
     // The order the tiles run in: sections of (head, batch) pairs whose K / V share L2, dealt round by round
     // (common/tile_scheduler.cuh), as the host chose them for this call (cuflash/tile_order.py).
@@ -661,12 +662,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // FP8: O is in units of the last tile's V descale
         const float v_scale = FP8 ? descale.v(p) : 1.f;
         // A TMA store's box may reach past the end of the tensor but must not start before it (a negative
-        // coordinate faults with an illegal instruction; loads may start there): a warpgroup with rows
-        // before 0 (row_shift) stores from registers. The condition is uniform over the warpgroup.
-        if (STORE_O_TMA && row0 + c * 64 >= 0)
-            store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t, row0 + c * 64,
-                             tile.head, tile.batch);
-        else
+        // coordinate faults with an illegal instruction; loads may): the row shift comes in whole
+        // warpgroups (tile_order.SHIFT_GRANULE), and a warpgroup before row 0 has nothing to store.
+        if constexpr (STORE_O_TMA) {
+            if (row0 + c * 64 >= 0)
+                store_output_tma(p, &map_o, sm.o + c * (O_BYTES / CONSUMERS), o, softmax, v_scale, c, t,
+                                 row0 + c * 64, tile.head, tile.batch);
+        } else
             store_output(p, o, softmax, v_scale, seq, qrow, qhead, q4, tile.batch);
     }
     if (c == 0) wait_my_turn(c);  // takes consumer 1's last pass: no arrival is left pending at exit
