@@ -620,8 +620,8 @@ def flash_attn_combine(out_partial, lse_partial, *, out_dtype=None):
     keys (last dimension contiguous, other strides free); ``lse_partial`` float32 (num_splits, batch, heads,
     seqlen). Returns ``(out, lse)``: out (batch, seqlen, heads, headdim) in ``out_dtype`` ("float32"
     (default), "float16" or "bfloat16"), out = sum_s exp(lse_s - lse) out_s, and lse (batch, heads,
-    seqlen) float32 = log sum_s exp(lse_s). A split with lse -inf contributes nothing (its out is not
-    read); a row whose splits are all -inf gives out 0 and lse -inf.
+    seqlen) float32 = log sum_s exp(lse_s). A split with lse -inf contributes nothing (its out may hold
+    anything, NaN included); a row whose splits are all -inf gives out 0 and lse -inf.
     """
     import cupy
 

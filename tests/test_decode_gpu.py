@@ -199,14 +199,18 @@ def test_splits_agree(poison_allocations):
         _run(args, num_splits=n)
 
 
+@pytest.mark.parametrize("splits_and_dim", [(6, 96), (40, 256)])
 @pytest.mark.parametrize("out_dtype", [None, "bfloat16", "float16"])
-def test_combine(poison_allocations, out_dtype):
-    """flash_attn_combine on its own: random partials, a split with lse -inf whose rows hold NaN (never
-    read), a row with every split at -inf (out 0, lse -inf), strided (non-contiguous) partials."""
+def test_combine(poison_allocations, out_dtype, splits_and_dim):
+    """flash_attn_combine on its own: random partials, a split with lse -inf whose rows hold NaN (weight 0,
+    never multiplied), a row with every split at -inf (out 0, lse -inf), strided (non-contiguous) partials;
+    a head dim under one pass of the warp's 128 columns and one over two, split counts under one batch of
+    loads (16) and over a warp's 32 lanes (the LSEs read again past it)."""
     import cupy
 
     rng = np.random.default_rng()
-    ns, b, s, h, d = 6, 2, 3, 5, 96
+    ns, d = splits_and_dim
+    b, s, h = 2, 3, 5
     o_full = rng.standard_normal((ns, b, s, h, d + 8)).astype(np.float32)
     lse = (rng.standard_normal((ns, b, h, s)) * 4).astype(np.float32)
     lse[2] = -np.inf

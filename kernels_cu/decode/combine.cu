@@ -1,11 +1,12 @@
 // Merge of split attention results by their log-sum-exp: Flash-Decoding's second pass, and
 // cuflash.flash_attn_combine. One warp per output row (batch entry, query, head):
 //   lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) * out_s
-// in a pass over the row's split LSEs for the maximum, one for the sum of exponentials, and one over
-// the partial rows (lanes over consecutive columns: each split's row is read in 128-byte pieces, eight
-// splits' loads in flight at once). A
-// split with lse -inf has weight 0 and its partial row is never read (it may hold anything); a row with
-// every split at -inf gives out 0 and lse -inf.
+// The first SPLITS splits' partial rows (lanes over consecutive columns) are loaded together with the
+// split LSEs (one per lane; max and sum of exponentials in one online pass), so at up to 16 splits and
+// d <= 128 the merge waits for one round trip to L2 (on the H200 the kernel's time is its launch and
+// dependency wait either way: 4.4 us alone at 16 splits, as with the three round trips it had before).
+// A split with lse -inf has weight 0: its partial row may be read but is never multiplied (it may hold
+// anything, NaN included); a row with every split at -inf gives out 0 and lse -inf.
 // After decode/fwd.cu on sm_90+ this kernel is launched as the split kernel's programmatic dependent
 // (cuflash.decode.forward): its blocks may be resident before the partials are written, and wait for
 // them in grid_dependency_wait(), which returns at once when it was launched normally
@@ -27,8 +28,8 @@ struct CombineParams {
 };
 
 constexpr int WARPS = CUFLASH_THREADS / 32;
-constexpr int COLS = 4;    // columns per lane per pass over the splits: 128 columns per pass
-constexpr int SPLITS = 8;  // splits whose partial rows are loaded at once
+constexpr int COLS = 4;     // columns per lane per pass over the splits: 128 columns per pass
+constexpr int SPLITS = 16;  // splits whose partial rows are loaded at once
 constexpr float LOG2E = 1.44269504088896341f;
 
 __device__ __forceinline__ void store(void* o, i64 idx, float x) {
@@ -52,6 +53,23 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+// exp2((x - base) log2 e), 0 for x = -inf (also when base is -inf: no NaN)
+__device__ __forceinline__ float weight(float x, float base) {
+    return x == neg_inf() ? 0.f : exp2f((x - base) * LOG2E);
+}
+
+// The partial rows of splits s0 .. s0 + SPLITS - 1, columns c0 + lane + 32 e (0 past the splits or columns).
+__device__ __forceinline__ void load_splits(float (&x)[SPLITS][COLS], const float* o_s, i64 split_stride,
+                                            int num_splits, int headdim, int s0, int c0, int lane) {
+#pragma unroll
+    for (int u = 0; u < SPLITS; ++u)
+#pragma unroll
+        for (int e = 0; e < COLS; ++e) {
+            const int c = c0 + lane + 32 * e;
+            x[u][e] = s0 + u < num_splits && c < headdim ? o_s[(s0 + u) * split_stride + c] : 0.f;
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) attn_combine(const CombineParams p) {
     const i64 row = i64(blockIdx.x) * WARPS + threadIdx.x / 32;  // (b, i, h) flattened
     const int lane = threadIdx.x % 32;
@@ -62,44 +80,37 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) attn_combine(const
     const float* o_s = p.o_partial + b * p.op_batch_stride + i * p.op_row_stride + h * p.op_head_stride;
     grid_dependency_wait();  // the split kernel has completed: its partials are written and visible
 
-    float mx = neg_inf();
-    for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse_s[s * p.lp_split_stride]);
-    mx = warp_max(mx);
-    const float base = mx == neg_inf() ? 0.f : mx;  // every split empty: weights are all 0
-    float total = 0.f;
-    for (int s = lane; s < p.num_splits; s += 32) {
-        const float x = lse_s[s * p.lp_split_stride];
-        total += x == neg_inf() ? 0.f : exp2f((x - base) * LOG2E);
+    // The first pass's partial rows, in flight while the LSEs below are read.
+    float x[SPLITS][COLS];
+    load_splits(x, o_s, p.op_split_stride, p.num_splits, p.headdim, 0, 0, lane);
+
+    // Max and sum of exponentials of the split LSEs, lane-strided and online; lane s keeps split s's LSE
+    // (the weights of the first 32 splits then come by shuffle, the rest are read again).
+    const float own = lane < p.num_splits ? lse_s[lane * p.lp_split_stride] : neg_inf();
+    float mx = own, total = own == neg_inf() ? 0.f : 1.f;
+    for (int s = lane + 32; s < p.num_splits; s += 32) {
+        const float l = lse_s[s * p.lp_split_stride];
+        if (l > mx) total = total * weight(mx, l) + 1.f, mx = l;
+        else total += weight(l, mx);
     }
-    total = warp_sum(total);
+    const float base = warp_max(mx);  // -inf when every split is empty: every weight is 0 then
+    total = warp_sum(total * weight(mx, base));
     const float inv = total > 0.f ? 1.f / total : 0.f;
 
-    // The partial rows, SPLITS splits per pass: their LSEs, then their values, are loaded together so a
-    // pass waits for two round trips to L2 instead of two per split (one warp per row: the row's latency
-    // is the kernel's, e.g. 33 splits at batch 1).
     const i64 out_row = b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
     for (int c0 = 0; c0 < p.headdim; c0 += 32 * COLS) {
         float acc[COLS] = {};
         for (int s0 = 0; s0 < p.num_splits; s0 += SPLITS) {
-            float w[SPLITS], x[SPLITS][COLS];
-#pragma unroll
-            for (int u = 0; u < SPLITS; ++u) {  // the same address in every lane: broadcast loads
-                const float l = s0 + u < p.num_splits ? lse_s[(s0 + u) * p.lp_split_stride] : neg_inf();
-                w[u] = l == neg_inf() ? 0.f : exp2f((l - base) * LOG2E) * inv;
-            }
+            if (c0 > 0 || s0 > 0) load_splits(x, o_s, p.op_split_stride, p.num_splits, p.headdim, s0, c0, lane);
 #pragma unroll
             for (int u = 0; u < SPLITS; ++u) {
-                const float* src = o_s + (s0 + u) * p.op_split_stride;
+                const int s = s0 + u;  // the same in every lane
+                if (s >= p.num_splits) break;
+                const float l = s < 32 ? __shfl_sync(0xffffffffu, own, s) : lse_s[s * p.lp_split_stride];
+                const float w = weight(l, base) * inv;
 #pragma unroll
-                for (int e = 0; e < COLS; ++e) {
-                    const int c = c0 + lane + 32 * e;
-                    x[u][e] = w[u] != 0.f && c < p.headdim ? src[c] : 0.f;  // a -inf split is never read
-                }
+                for (int e = 0; e < COLS; ++e) acc[e] += w != 0.f ? w * x[u][e] : 0.f;  // select: x may be NaN
             }
-#pragma unroll
-            for (int u = 0; u < SPLITS; ++u)
-#pragma unroll
-                for (int e = 0; e < COLS; ++e) acc[e] += w[u] * x[u][e];
         }
 #pragma unroll
         for (int e = 0; e < COLS; ++e) {
