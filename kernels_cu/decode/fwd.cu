@@ -22,7 +22,8 @@
 // is memory-bound and the compare is free next to the loads.
 //
 // Compile-time constants (cuflash/decode.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_N (16 per warp), CUFLASH_STAGES,
-// CUFLASH_PAGED (0/1), CUFLASH_DTYPE; CUFLASH_PROBE_NO_COMPUTE (timing probes only: no attention math).
+// CUFLASH_COPY_CHUNKS (16-byte chunks of a row each thread copies), CUFLASH_PAGED (0/1), CUFLASH_DTYPE;
+// CUFLASH_PROBE_NO_COMPUTE (timing probes only: no attention math).
 #ifndef CUFLASH_PROBE_NO_COMPUTE
 #define CUFLASH_PROBE_NO_COMPUTE 0
 #endif
@@ -43,11 +44,17 @@ constexpr int THREADS = WARPS * 32;
 static_assert(BN % WN == 0 && THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(STAGES >= 2 && D % 64 == 0, "a ring of at least two swizzled stages");
 
-// The tile copy: thread tid copies 16-byte chunk (tid % CHUNKS) of rows tid / CHUNKS + ROWS_PER_PASS * i.
+// The tile copy: ROW_THREADS threads share a row, thread tid copying 16-byte chunks tid % ROW_THREADS +
+// ROW_THREADS c (c < COPY_CHUNKS) of rows tid / ROW_THREADS + ROWS_PER_PASS i: each instruction moves
+// ROW_THREADS contiguous chunks of 32 / ROW_THREADS rows, and a row's address (a page lookup and 64-bit
+// math in a paged cache) is worked out once per COPY_CHUNKS copies.
 constexpr int CHUNKS = D / 8;
-constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+constexpr int COPY_CHUNKS = CUFLASH_COPY_CHUNKS;
+constexpr int ROW_THREADS = CHUNKS / COPY_CHUNKS;
+constexpr int ROWS_PER_PASS = THREADS / ROW_THREADS;
 constexpr int PASSES = BN / ROWS_PER_PASS;  // rows of a tile each thread copies
-static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "copy passes cover a tile exactly");
+static_assert(CHUNKS % COPY_CHUNKS == 0 && THREADS % ROW_THREADS == 0 && BN % ROWS_PER_PASS == 0,
+              "copy passes cover a tile exactly");
 // Paged: tiles whose page-table entries the ring holds (one slot of at most BN entries per tile). Entries
 // for tile n + 2 STAGES - 2 are written while those of tile n + STAGES - 1 are read: with 2 STAGES slots
 // a slot is rewritten only STAGES + 1 iterations (and barriers) after its last read.
@@ -108,10 +115,14 @@ struct KvCopier {
                 page_size.divmod(j, s, within);
                 page = in ? slot[s - first] : 0;  // (rows past the keys: slots the ring does not hold)
             }
-            const i64 k_off = PAGED ? page * k_outer + within * k_row : k_entry + j * k_row;
-            const i64 v_off = PAGED ? page * v_outer + within * v_row : v_entry + j * v_row;
-            cp_async_16(sm.k[stage].at(r, col), k + (in ? k_off + col : 0), in ? 16 : 0);
-            cp_async_16(sm.v[stage].at(r, col), v + (in ? v_off + col : 0), in ? 16 : 0);
+            const u16* k_src = k + (in ? (PAGED ? page * k_outer + within * k_row : k_entry + j * k_row) + col : 0);
+            const u16* v_src = v + (in ? (PAGED ? page * v_outer + within * v_row : v_entry + j * v_row) + col : 0);
+#pragma unroll
+            for (int c = 0; c < COPY_CHUNKS; ++c) {
+                const int dc = 8 * ROW_THREADS * c;  // elements (rows past the keys: the same zero-filled source)
+                cp_async_16(sm.k[stage].at(r, col + dc), k_src + (in ? dc : 0), in ? 16 : 0);
+                cp_async_16(sm.v[stage].at(r, col + dc), v_src + (in ? dc : 0), in ? 16 : 0);
+            }
         }
     }
 };
@@ -242,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) de
     kv.k_entry = entry * p.k_batch_stride, kv.v_entry = entry * p.v_batch_stride;
     kv.pages = PAGED ? p.page_table + b * p.page_table_stride : nullptr;
     kv.seqlen_k = seqlen_k;
-    kv.row0 = threadIdx.x / CHUNKS, kv.col = (threadIdx.x % CHUNKS) * 8;
+    kv.row0 = threadIdx.x / ROW_THREADS, kv.col = (threadIdx.x % ROW_THREADS) * 8;
 
     // Paged: the page-table entries of the first STAGES - 1 tiles, waited for here (one round trip, as
     // the first tiles' page lookups always took). Tile t_lo + n's entries live in page_ring[n % PAGE_RING].
