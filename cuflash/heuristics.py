@@ -300,6 +300,7 @@ IMPL_PREFERENCE = {"forward": ("fa3", "fa2", "fa1"), "backward": ("fa3", "fa2", 
 class DecodeTiles:
     block_n: int  # keys per K/V tile; one warp per 16 of them (its own online softmax)
     stages: int  # K/V tiles in flight in the cp.async ring (the bytes in flight that decode lives on)
+    copy_chunks: int = 1  # 16-byte chunks of a K/V row each thread copies (a row's address worked out once)
 
 
 # head dim -> decode tiles. A thread block holds 16 query rows (the GQA group's heads x the queries) and

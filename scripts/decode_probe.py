@@ -143,13 +143,16 @@ def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
 
 
 @contextmanager
-def decode_config(block_n=None, stages=None, no_compute=False, num_splits=None):
+def decode_config(block_n=None, stages=None, no_compute=False, num_splits=None, copy_chunks=None):
     """Decode calls at head dim D take ``block_n`` keys per tile (one warp per 16) in ``stages`` ring
-    slots, and with ``no_compute`` the timing-only variant without the attention math. (``num_splits``
-    is ab()'s: the split count instead of the heuristic's.)"""
+    slots, each thread copying ``copy_chunks`` 16-byte chunks of a row (the table's where not given), and
+    with ``no_compute`` the timing-only variant without the attention math. (``num_splits`` is ab()'s:
+    the split count instead of the heuristic's.)"""
     saved, built = heuristics.DECODE_TILES[D], decode.fwd_variant
-    if block_n:
-        heuristics.DECODE_TILES[D] = heuristics.DecodeTiles(block_n=block_n, stages=stages)
+    if block_n or stages or copy_chunks:
+        heuristics.DECODE_TILES[D] = heuristics.DecodeTiles(block_n=block_n or saved.block_n,
+                                                            stages=stages or saved.stages,
+                                                            copy_chunks=copy_chunks or saved.copy_chunks)
     if no_compute:
         def variant(*args, **kwargs):
             v = built(*args, **kwargs)
@@ -166,16 +169,19 @@ def decode_config(block_n=None, stages=None, no_compute=False, num_splits=None):
 # 41.1 / 39.6; page size 1 table 43.9-44.3, no math 40.1-41.0, 8-warp tiles 50+, 16 splits 45.8; page 16
 # 43.3 / 40.1, 16 splits 43.7; 16 x 8k page 1 128.3 / 126.7, page 16 128.4 / 125.4. A paged tile's page
 # table read 2 or 3 tiles ahead of its copies (not one) was slower everywhere (1 x 32k page 1 45.5 / 45.8,
-# 16 x 8k 133.5 / 134.4): the lookups' latency is not what the paged rows lose.
+# 16 x 8k 133.5 / 134.4): the lookups' latency is not what the paged rows lose. Session 18 (plain read
+# 32.4 / 119.4, contiguous): no math with 2 / 3 (table) / 6 stages 43.3 / 37.2 / 37.6 at 1 x 32k, 142.8 /
+# 121.4 / 122.3 at 16 x 8k -- three stages keep enough bytes in flight.
 AB_CONFIGS = {
     "table": {},
     "no math (timing only)": dict(no_compute=True),
-    "table, 16 splits": dict(num_splits=16),
-    # the copy pipeline's bytes in flight: a plain read needs ~64 KB per SM for 33 us at 1 x 32k (32 KB:
-    # 34.5); the table's 3 stages of 32 KB hold between one and two tiles in flight
-    "no math, 2 stages": dict(block_n=64, stages=2, no_compute=True),
-    "no math, 6 stages": dict(block_n=64, stages=6, no_compute=True),
-    "6 stages": dict(block_n=64, stages=6),
+    # a row's address (paged: its page lookup and 64-bit math) once per 2 / 4 chunks of the row a thread
+    # copies instead of once per chunk (session 18: every paged page size ~42.4 us at 1 x 32k against the
+    # contiguous 38.6, after the page-table entries moved to shared memory)
+    "2 chunks per thread": dict(copy_chunks=2),
+    "4 chunks per thread": dict(copy_chunks=4),
+    "no math, 4 chunks": dict(copy_chunks=4, no_compute=True),
+    "4 chunks, 16 splits": dict(copy_chunks=4, num_splits=16),  # paged: one block per SM, as contiguous
 }
 
 

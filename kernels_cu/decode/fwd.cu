@@ -9,8 +9,9 @@
 // contiguous runs (cuflash.reference.decode_split_tiles models it). Inside a block:
 //   - a STAGES-deep cp.async ring streams K and V tiles in 16-byte copies; rows past the entry's key
 //     count are zero-filled, never read. In a paged cache every row is looked up on its own (page_size
-//     may be 1), and the page-table reads for a tile are issued one iteration before its copies, so
-//     their latency hides behind a tile of compute instead of stalling the copy;
+//     may be 1) in a ring of page-table entries in shared memory, which the same cp.async groups fill
+//     STAGES - 1 tiles ahead of their use: no global load stands between one tile's copies and the next
+//     (a page-table load issued one tile ahead into registers did, at one block per SM);
 //   - each warp (BN / 16 of them) takes 16 keys of every tile and keeps its own online softmax over them:
 //     S (16 x 16) = Q K^T on mma.sync m16n8k16 (fp32 accumulation), mask, exp2 with the scale folded
 //     into one multiply, O (16 x D) += P V with P straight from the S registers;
@@ -21,7 +22,8 @@
 // is memory-bound and the compare is free next to the loads.
 //
 // Compile-time constants (cuflash/decode.py): CUFLASH_HEADDIM, CUFLASH_BLOCK_N (16 per warp), CUFLASH_STAGES,
-// CUFLASH_PAGED (0/1), CUFLASH_DTYPE; CUFLASH_PROBE_NO_COMPUTE (timing probes only: no attention math).
+// CUFLASH_COPY_CHUNKS (16-byte chunks of a row each thread copies), CUFLASH_PAGED (0/1), CUFLASH_DTYPE;
+// CUFLASH_PROBE_NO_COMPUTE (timing probes only: no attention math).
 #ifndef CUFLASH_PROBE_NO_COMPUTE
 #define CUFLASH_PROBE_NO_COMPUTE 0
 #endif
@@ -42,11 +44,22 @@ constexpr int THREADS = WARPS * 32;
 static_assert(BN % WN == 0 && THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(STAGES >= 2 && D % 64 == 0, "a ring of at least two swizzled stages");
 
-// The tile copy: thread tid copies 16-byte chunk (tid % CHUNKS) of rows tid / CHUNKS + ROWS_PER_PASS * i.
+// The tile copy: ROW_THREADS threads share a row, thread tid copying 16-byte chunks tid % ROW_THREADS +
+// ROW_THREADS c (c < COPY_CHUNKS) of rows tid / ROW_THREADS + ROWS_PER_PASS i: each instruction moves
+// ROW_THREADS contiguous chunks of 32 / ROW_THREADS rows, and a row's address (a page lookup and 64-bit
+// math in a paged cache) is worked out once per COPY_CHUNKS copies.
 constexpr int CHUNKS = D / 8;
-constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+constexpr int COPY_CHUNKS = CUFLASH_COPY_CHUNKS;
+constexpr int ROW_THREADS = CHUNKS / COPY_CHUNKS;
+constexpr int ROWS_PER_PASS = THREADS / ROW_THREADS;
 constexpr int PASSES = BN / ROWS_PER_PASS;  // rows of a tile each thread copies
-static_assert(THREADS % CHUNKS == 0 && BN % ROWS_PER_PASS == 0, "copy passes cover a tile exactly");
+static_assert(CHUNKS % COPY_CHUNKS == 0 && THREADS % ROW_THREADS == 0 && BN % ROWS_PER_PASS == 0,
+              "copy passes cover a tile exactly");
+// Paged: tiles whose page-table entries the ring holds (one slot of at most BN entries per tile). Entries
+// for tile n + 2 STAGES - 2 are written while those of tile n + STAGES - 1 are read: with 2 STAGES slots
+// a slot is rewritten only STAGES + 1 iterations (and barriers) after its last read.
+constexpr int PAGE_RING = 2 * STAGES;
+static_assert(THREADS >= BN, "one thread per page-table entry of a tile");
 
 typedef FastSmemTile<BM, D> QTile;
 typedef FastSmemTile<BN, D> KVTile;
@@ -77,31 +90,39 @@ struct KvCopier {
     int seqlen_k;
     int row0, col;                       // this thread's first row and its column (elements)
 
-    // Where each row this thread copies in `tile` lives in a paged cache: its physical page and its row
-    // within that page. Plain loads: nothing waits for them until copy() uses the registers, an
-    // iteration later. One multiply-high per row instead of an integer division (the paged kernel had
-    // twice the contiguous one's instructions, ~16 divisions per tile and thread, and ran at 38-65 % of
-    // its bandwidth on the H200).
-    __device__ __forceinline__ void lookup(int tile, int (&page)[PASSES], int (&within)[PASSES]) const {
-#pragma unroll
-        for (int i = 0; i < PASSES; ++i) {
-            const int j = tile * BN + row0 + ROWS_PER_PASS * i;
-            int slot;
-            page_size.divmod(j, slot, within[i]);
-            page[i] = j < seqlen_k ? pages[slot] : 0;
-        }
+    // Paged: the page-table entries of `tile`'s keys into `slot` of the page ring, one 4-byte cp.async
+    // per entry (thread e copies the tile's e-th), in the caller's commit group.
+    __device__ __forceinline__ void fetch_pages(int* slot, int tile) const {
+        const int key0 = tile * BN, keys = min(BN, seqlen_k - key0);
+        if (keys <= 0) return;
+        const int first = page_size.div(key0), count = page_size.div(key0 + keys - 1) + 1 - first;
+        if (int(threadIdx.x) < count) cp_async_4(slot + threadIdx.x, pages + first + threadIdx.x);
     }
 
-    __device__ __forceinline__ void copy(Smem& sm, int tile, int stage, const int (&page)[PASSES],
-                                         const int (&within)[PASSES]) const {
+    // `slot`: paged, the tile's page-table entries (fetch_pages, landed). The row of a paged cache from
+    // one multiply-high per row instead of an integer division (the paged kernel had twice the
+    // contiguous one's instructions, ~16 divisions per tile and thread, and ran at 38-65 % of its
+    // bandwidth on the H200).
+    __device__ __forceinline__ void copy(Smem& sm, int tile, int stage, const int* slot) const {
+        const int first = PAGED ? page_size.div(tile * BN) : 0;
 #pragma unroll
         for (int i = 0; i < PASSES; ++i) {
             const int r = row0 + ROWS_PER_PASS * i, j = tile * BN + r;
             const bool in = j < seqlen_k;
-            const i64 k_off = PAGED ? page[i] * k_outer + within[i] * k_row : k_entry + j * k_row;
-            const i64 v_off = PAGED ? page[i] * v_outer + within[i] * v_row : v_entry + j * v_row;
-            cp_async_16(sm.k[stage].at(r, col), k + (in ? k_off + col : 0), in ? 16 : 0);
-            cp_async_16(sm.v[stage].at(r, col), v + (in ? v_off + col : 0), in ? 16 : 0);
+            int page = 0, within = 0;
+            if constexpr (PAGED) {
+                int s;
+                page_size.divmod(j, s, within);
+                page = in ? slot[s - first] : 0;  // (rows past the keys: slots the ring does not hold)
+            }
+            const u16* k_src = k + (in ? (PAGED ? page * k_outer + within * k_row : k_entry + j * k_row) + col : 0);
+            const u16* v_src = v + (in ? (PAGED ? page * v_outer + within * v_row : v_entry + j * v_row) + col : 0);
+#pragma unroll
+            for (int c = 0; c < COPY_CHUNKS; ++c) {
+                const int dc = 8 * ROW_THREADS * c;  // elements (rows past the keys: the same zero-filled source)
+                cp_async_16(sm.k[stage].at(r, col + dc), k_src + (in ? dc : 0), in ? 16 : 0);
+                cp_async_16(sm.v[stage].at(r, col + dc), v_src + (in ? dc : 0), in ? 16 : 0);
+            }
         }
     }
 };
@@ -171,6 +192,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) de
     extern __shared__ __align__(128) unsigned char smem_raw[];
     Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
     __shared__ float warp_max[WARPS][BM], warp_sum[WARPS][BM];
+    __shared__ int page_ring[PAGED ? PAGE_RING : 1][BN];  // paged: the tiles' page-table entries
     // With several splits the combine is launched as this grid's programmatic dependent (sm_90+): it may
     // become resident as soon as every block of this grid has passed here, i.e. once the whole grid is on
     // the SMs, so it takes no slot from a block of this grid, and its launch hides behind this grid's
@@ -208,7 +230,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) de
         vis_hi[r] = row < rows ? min(seqlen_k - 1, i + mask.diag() + mask.right) : 0;
     }
 
-    // Q: the block's packed rows (zeros past the real rows); in the first commit group.
+    // Q: the block's packed rows (zeros past the real rows); in the first commit group (paged: the group
+    // of the first tiles' page-table entries).
     for (int idx = threadIdx.x; idx < BM * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8, row = row0 + r;
         const bool in = row < rows;
@@ -230,21 +253,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) de
     kv.k_entry = entry * p.k_batch_stride, kv.v_entry = entry * p.v_batch_stride;
     kv.pages = PAGED ? p.page_table + b * p.page_table_stride : nullptr;
     kv.seqlen_k = seqlen_k;
-    kv.row0 = threadIdx.x / CHUNKS, kv.col = (threadIdx.x % CHUNKS) * 8;
+    kv.row0 = threadIdx.x / ROW_THREADS, kv.col = (threadIdx.x % ROW_THREADS) * 8;
 
-    // Prologue: STAGES - 1 tiles in flight (one commit group each, empty past the run), and the pages
-    // of the tile after them looked up.
-    int page[PASSES] = {}, within[PASSES] = {};
+    // Paged: the page-table entries of the first STAGES - 1 tiles, waited for here (one round trip, as
+    // the first tiles' page lookups always took). Tile t_lo + n's entries live in page_ring[n % PAGE_RING].
+    if constexpr (PAGED) {
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (t_lo + s < t_hi) kv.fetch_pages(page_ring[s], t_lo + s);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+    // Prologue: STAGES - 1 tiles in flight (one commit group each, empty past the run); each group also
+    // fetches the page-table entries of the tile STAGES - 1 after its own, which it copies when that
+    // group has landed.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (t_lo + s < t_hi) {
-            if constexpr (PAGED) kv.lookup(t_lo + s, page, within);
-            kv.copy(sm, t_lo + s, s, page, within);
-        }
+        if (t_lo + s < t_hi) kv.copy(sm, t_lo + s, s, page_ring[PAGED ? s : 0]);
+        if constexpr (PAGED)
+            if (t_lo + s + STAGES - 1 < t_hi) kv.fetch_pages(page_ring[s + STAGES - 1], t_lo + s + STAGES - 1);
         cp_async_commit();
     }
-    if constexpr (PAGED)
-        if (t_lo + STAGES - 1 < t_hi) kv.lookup(t_lo + STAGES - 1, page, within);
 
     const QAddr q_addr = a_addr(sm.q, lane);
     const KVAddr k_addr = b_rows_addr(sm.k[0], lane);
@@ -256,12 +286,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, THREADS <= 128 ? 2 : 1) de
         const int n = tile - t_lo;
         cp_async_wait<STAGES - 2>();  // this tile's group has landed (later tiles may be in flight)
         __syncthreads();              // ... for every thread; and every warp is done with the stage refilled next
-        const int next = tile + STAGES - 1;
-        if (next < t_hi) {
-            kv.copy(sm, next, (n + STAGES - 1) % STAGES, page, within);
-            if constexpr (PAGED)
-                if (next + 1 < t_hi) kv.lookup(next + 1, page, within);
-        }
+        const int next = tile + STAGES - 1;  // its page-table entries came with this tile's group
+        if (next < t_hi)
+            kv.copy(sm, next, (n + STAGES - 1) % STAGES, page_ring[PAGED ? (n + STAGES - 1) % PAGE_RING : 0]);
+        if constexpr (PAGED)
+            if (next + STAGES - 1 < t_hi)
+                kv.fetch_pages(page_ring[(n + 2 * STAGES - 2) % PAGE_RING], next + STAGES - 1);
         cp_async_commit();
 #if CUFLASH_PROBE_NO_COMPUTE  // timing only (scripts/decode_probe.py --ab): the copies without the math
         if (o[0][0] == 1.2345f) row_sum[0] += float(n);
