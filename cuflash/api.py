@@ -281,7 +281,10 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         dq = cupy.empty_like(qa)
         dk = cupy.empty((dims.batch, dims.seqlen_k, dims.kv_heads, dims.headdim), dtype=qa.dtype)
         dv = cupy.empty_like(dk)
-        dq_accum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q, dims.headdim), dtype=cupy.float32)
+        # (rows of padding before row 0 that the family's backward adds into: fa3's bwd_row_shift)
+        shift_of = getattr(plan.family, "bwd_row_shift", None)
+        lead = shift_of(dims, plan.window, **plan.options) if shift_of else 0
+        dq_accum = cupy.empty((dims.batch, dims.heads, lead + dims.seqlen_q, dims.headdim), dtype=cupy.float32)
         dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
         plan.family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, plan.window, plan.scale,
                              call.stream, **plan.options)

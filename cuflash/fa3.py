@@ -139,7 +139,8 @@ BWD_PARAMS = np.dtype(
     pointer_fields("cu_seqlens_q", "cu_seqlens_k", "dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
-    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32)],
+    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32),
+                                        ("row_shift", np.int32)],
     align=True,
 )
 BWD_BLOCK_M = 64
@@ -382,11 +383,17 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     (batch, heads, pitch), or for packed batches (``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k), ``dims``
     with the longest lengths) (heads, pitch) with each sequence from a 64-aligned row (bwd.cu: lse_row0).
     ``deterministic``: the K blocks add their dQ shares of each Q block in a fixed order (zeroed counters per
-    (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run."""
+    (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run. Fixed-length calls of
+    bwd.cu (d <= 128) may put the last Q block's spare rows before row 0 (tile_order.bwd_row_shift): the
+    padded rows and a dQ accumulator of this function's own then start with them (fa3/bwd_roles.cuh)."""
     cu_q, cu_k = cu_seqlens or (None, None)
     varlen = cu_q is not None
     block_m = bwd_block_m(dims.headdim, softcap > 0)
-    q_pitch = (dims.seqlen_q + block_m - 1) // block_m * block_m  # Q blocks x block_m of the longest
+    shift = bwd_row_shift(dims, window, softcap, cu_seqlens)  # the padded rows and dq_accum start with them
+    if not varlen and dq_accum.shape[-2] != shift + dims.seqlen_q:
+        raise ValueError(f"dq_accum has {dq_accum.shape[-2]} rows per head; this call needs {shift} + "
+                         f"{dims.seqlen_q} (fa3.bwd_row_shift)")
+    q_pitch = (shift + dims.seqlen_q + block_m - 1) // block_m * block_m  # Q blocks x block_m of the longest
     if varlen:  # per head: every sequence's rows from a 64-aligned start (common/padded_rows.cuh)
         pitch = varlen_row_pitch(q.shape[0], dims.batch)
         total = dims.heads * pitch
@@ -403,7 +410,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     lse_rows, dsum_rows = rows[0], rows[1]
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch)
+                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, block_m)
     block_n = bwd_block_n(dims.headdim)
     maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
@@ -433,8 +440,20 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     p["highest_first"] = int(deterministic)
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
     p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
+    p["row_shift"] = shift
     launch(variant, grid, (*maps, p), stream)
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift)
+
+
+def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_) -> int:
+    """Rows of padding before row 0 in the backward's first Q block (fa3/bwd_roles.cuh row_shift_of): the
+    last Q block's spare rows moved there where that saves steps (tile_order.bwd_row_shift); bwd.cu only
+    (fixed length, d <= 128), else 0. The caller's dq_accum holds that many rows before each head's first
+    (cuflash.api sizes it by this)."""
+    if cu_seqlens is not None or dims.headdim > 128:
+        return 0
+    return tile_order.bwd_row_shift(dims.seqlen_q, dims.seqlen_k, tuple(window),
+                                    bwd_block_m(dims.headdim, softcap > 0), bwd_block_n(dims.headdim))
 
 
 def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:

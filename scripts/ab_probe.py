@@ -33,12 +33,15 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
+  bwd-row-shift  FA3 backward d = 64 and 128, N = 2k and 4k, causal and not: the spare rows of the last Q
+             block before row 0 (tile_order.bwd_row_shift, as built) against none (non-causal takes no
+             shift: an A/A check)
   fwd-order  FA3 forward bf16 d = 64, 128 and 256, N = 512, 1k, 2k, 4k and 8k, causal: the tile order the host's
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
-        [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -297,6 +300,23 @@ def bwd_dkv(rounds, reps):
 
 
 @contextmanager
+def bwd_rows_from_zero():
+    """fa3's backward launches take no row shift (the last Q block's spare rows after the end)."""
+    chosen = tile_order.bwd_row_shift
+    tile_order.bwd_row_shift = lambda *args: 0
+    try:
+        yield
+    finally:
+        tile_order.bwd_row_shift = chosen
+
+
+def bwd_row_shift(rounds, reps):
+    """FA3 backward: the spare rows before row 0 (as built) against none. Model (tile_order.bwd_steps):
+    causal d = 128 2k / 4k -2.6 / -2.8 % of the steps, d = 64 2k -5.1 %, 4k -1.4 %."""
+    bwd_interleaved({"shifted": as_is, "from row 0": bwd_rows_from_zero}, (64, 128), (2048, 4096), rounds, reps)
+
+
+@contextmanager
 def short_masked_rows_at(seqlen):
     """Masked rows shorter than ``seqlen`` take FA3_TILES (two warpgroups), longer FA3_TILES_3WG."""
     saved = heuristics.FA3_3WG_MIN_MASKED_SEQLEN
@@ -428,7 +448,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
-            "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift}
+            "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

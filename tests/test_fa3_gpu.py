@@ -255,6 +255,24 @@ def test_backward_deterministic_with_a_window(poison_allocations):
     check_backward("fa3", q, k, v, window_size=(200, 64), deterministic=True)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("seqlens,window", [((2048, 2048), (-1, 0)), ((1500, 1200), (-1, 0)), ((1100, 1300), (-1, 0)),
+                                            ((2048, 2048), (300, 0))])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_rows_before_zero(poison_allocations, d, seqlens, window, deterministic):
+    """The spare rows of the last Q block before row 0 (tile_order.bwd_row_shift; every case here takes a
+    shift): Q / dO rows before 0 zero-filled by TMA, the LSE / D padding (+inf, 0) and the dQ accumulator's
+    rows before 0 (added to, never read), Sq > Sk and Sq < Sk, a window, the deterministic turns."""
+    from cuflash import _validate, tile_order
+
+    sq, sk = seqlens
+    dims = _validate.Dims(1, sq, sk, 4, 2, d, "bfloat16")
+    bounds = _validate.window_bounds(window, False, dims)
+    assert tile_order.bwd_row_shift(sq, sk, bounds, fa3.bwd_block_m(d, False), fa3.bwd_block_n(d)) > 0
+    q, k, v = _inputs(np.random.default_rng(), 1, sq, sk, 4, 2, d, "bfloat16")
+    check_backward("fa3", q, k, v, window_size=window, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("d", BWD_HEADDIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_softcap(poison_allocations, d, causal):

@@ -4,6 +4,9 @@
 //                   lse_rows is set, the forward's LSE in log2 units) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
 //   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
+// row_shift (the FA3 backward's spare rows before row 0, fa3/bwd_roles.cuh): each head's dq_accum rows and
+// padded rows start with row_shift rows of padding, row i at i + row_shift; the preprocess writes the
+// padding of the LSE / D rows (+inf, 0: no probability flows there) and leaves dq_accum's (never read).
 // Compile-time constants: CUFLASH_HEADDIM, CUFLASH_DTYPE.
 #include "common/padded_rows.cuh"
 #include "common/types.cuh"
@@ -11,7 +14,7 @@
 struct BwdAuxParams {
     const u16* o;
     const u16* dout;
-    float* dq_accum;  // (batch, heads, seqlen_q, headdim) fp32
+    float* dq_accum;  // (batch, heads, row_shift + seqlen_q, headdim) fp32
     u16* dq;
     float* dsum;  // (batch, heads, row_pitch) fp32; entries past seqlen_q are left unwritten
     i64 o_batch_stride, o_row_stride, o_head_stride;
@@ -29,6 +32,7 @@ struct BwdAuxParams {
     // written.
     const int* cu_seqlens_q;
     int varlen_batch;
+    int row_shift;  // 0 with cu_seqlens_q
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -57,6 +61,11 @@ struct RowChunk {
     __device__ __forceinline__ bool active() const { return in_rows && chunk < CHUNKS; }
 };
 
+// The lane's row of dq_accum: after its head's row_shift rows of padding.
+__device__ __forceinline__ i64 accum_row(const BwdAuxParams& p, const RowChunk& rc) {
+    return (i64(rc.b) * p.heads + rc.h) * (p.seqlen_q + p.row_shift) + p.row_shift + rc.i;
+}
+
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(const BwdAuxParams p) {
     const RowChunk rc(p);
     const int b = rc.b, h = rc.h, i = rc.i;
@@ -73,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
             acc += elem_t::to_float(u16(ow[w] & 0xffff)) * elem_t::to_float(u16(dw[w] & 0xffff));
             acc += elem_t::to_float(u16(ow[w] >> 16)) * elem_t::to_float(u16(dw[w] >> 16));
         }
-        float4* zero = reinterpret_cast<float4*>(p.dq_accum + i64(rc.r) * D + c);
+        float4* zero = reinterpret_cast<float4*>(p.dq_accum + accum_row(p, rc) * D + c);
         zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
         zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
@@ -81,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
 #pragma unroll
     for (int off = GROUP / 2; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     if (rc.in_rows && rc.chunk == 0) {
-        i64 row = (i64(b) * p.heads + h) * p.row_pitch + i;
+        i64 row = (i64(b) * p.heads + h) * p.row_pitch + p.row_shift + i;
         if (p.cu_seqlens_q) {
             const int* cu = p.cu_seqlens_q;
             if (i >= cu[p.varlen_batch]) return;  // past the last sequence
@@ -98,6 +107,12 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
             const float l = p.lse[rc.r];
             p.lse_rows[row] = l == neg_inf() ? -neg_inf() : l * 1.4426950408889634f;
         }
+        // The padding before row 0 (row_shift): row i's thread writes padding rows i, i + seqlen_q, ...
+        for (int j = i; j < p.row_shift; j += p.seqlen_q) {
+            const i64 pad = (i64(b) * p.heads + h) * p.row_pitch + j;
+            p.dsum[pad] = 0.f;
+            if (p.lse_rows) p.lse_rows[pad] = -neg_inf();
+        }
     }
 }
 
@@ -105,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(con
     const RowChunk rc(p);
     if (!rc.active()) return;
     const int c = rc.chunk * 8;
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + i64(rc.r) * D + c);
+    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + accum_row(p, rc) * D + c);
     const float4 x = src[0], y = src[1];
     const float s = p.scale;
     uint4 out;

@@ -37,21 +37,22 @@ struct Mask {
     // Q blocks [lo, hi) holding a row that sees some key of K block n (keys [n*BN, n*BN+BN)); empty for a
     // block past the last key (packed batches launch blocks for the longest sequence; the FA3 deterministic
     // backward would wait forever for a turn such a block cannot have).
+    // shift: Q block m holds rows [m*BM - shift, m*BM+BM - shift) (the FA3 backward's spare rows before row 0).
     template <int BM, int BN>
-    __device__ __forceinline__ void q_block_range(int n, int& lo, int& hi) const {
+    __device__ __forceinline__ void q_block_range(int n, int& lo, int& hi, int shift = 0) const {
         int key_first = n * BN;
         int key_last = min(key_first + BN, seqlen_k) - 1;
         // row sees key j iff row >= j - diag - right and row <= j - diag + left
         int row_first = max(0, key_first - diag() - right);
         int row_last = min(seqlen_q - 1, key_last - diag() + left);
-        lo = row_first / BM;
-        hi = row_last < row_first || key_last < key_first ? lo : row_last / BM + 1;
+        lo = (row_first + shift) / BM;
+        hi = row_last < row_first || key_last < key_first ? lo : (row_last + shift) / BM + 1;
     }
 
     // True when every (row, key) of the tile is visible, so the per-element mask can be skipped.
     template <int BM, int BN>
-    __device__ __forceinline__ bool tile_all_visible(int m, int n) const {
-        return rows_all_visible<BN>(m * BM, m * BM + BM - 1, n);
+    __device__ __forceinline__ bool tile_all_visible(int m, int n, int shift = 0) const {
+        return rows_all_visible<BN>(m * BM - shift, m * BM + BM - 1 - shift, n);
     }
 
     // The same for rows [r0, r1] against K block n.

@@ -159,13 +159,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         regs_decrease<PRODUCER_REGS>();
         const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
         const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
-        mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+        const int shift = row_shift_of<VARLEN>(p);
+        mask.q_block_range<BM, BN>(n_block, m_lo, m_hi, shift);
         const int warp = threadIdx.x / 32;
         if (threadIdx.x % 32 != 0 || warp > 2 || m_lo == m_hi) return;
         if (warp == 0) {
             load_kv_and_q_blocks<ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do, &map_lse,
                                                                 &map_dsum, p, seq, batch, kv_head, group, n_block,
-                                                                m_lo, m_hi);
+                                                                m_lo, m_hi, shift);
         } else {  // the dQ writer of consumer warp - 1: its tiles (dq_atom)
             const int c = warp - 1, steps = group * (m_hi - m_lo);
             write_dq_tiles<D, 2, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, c,
@@ -178,7 +179,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     regs_increase<CONSUMER_REGS>();
     const SeqInfo seq = bwd_sequence<VARLEN>(p, batch);
     const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
-    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi);
+    const int shift = row_shift_of<VARLEN>(p);  // Q block m: rows from m BM - shift (bwd_roles.cuh)
+    mask.q_block_range<BM, BN>(n_block, m_lo, m_hi, shift);
     const int c = warpgroup - 1;  // which 64 keys of the block
     const int t = threadIdx.x % 128, lane = t % 32;
     const Lane ln{t / 32, lane / 4, lane % 4};
@@ -208,9 +210,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const int h = kv_head * group + h_i, a = dq_atom(c, i);
                 DqTile& tile = sm.dq_tile[c][dq_tile_index(i) % DQ_TILE_SLOTS];
                 tile.col = a * 64;
-                tile.row = seq.q_start + m * BM;
+                tile.row = seq.q_start + m * BM;  // (dq_accum holds the shift's padding rows before row 0)
                 tile.head = VARLEN ? h : batch * p.heads + h;
-                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, a, ATOMS);
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, a, ATOMS, shift);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             // The block's LSE and D columns are read before S^T and dP^T are issued: the wgmma waits order
@@ -224,8 +226,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             float lse2[BM / 8][2], dsum[BM / 8][2];
             float st[BM / 2], dpt[BM / 2];
             if constexpr (!SOFTCAP) {
-                column_values<BM, BM>(lse2, sm.lse[s], -neg_inf(), m, 0, ln, seq);
-                column_values<BM, BM>(dsum, sm.dsum[s], 0.f, m, 0, ln, seq);
+                column_values<BM, BM>(lse2, sm.lse[s], -neg_inf(), m, 0, ln, seq, shift);
+                column_values<BM, BM>(dsum, sm.dsum[s], 0.f, m, 0, ln, seq, shift);
                 if constexpr (FOLD_COLUMNS) {
 #pragma unroll
                     for (int j = 0; j < BM / 2; ++j) {
@@ -259,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             };
             if constexpr (SOFTCAP) {
                 probabilities_and_ds<BM, BN, SOFTCAP, BM>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, 0, key_lo, ln,
-                                                          seq, mask, p);
+                                                          seq, mask, p, shift);
                 acc_to_a_frags<BM>(st, pa);
                 acc_to_a_frags<BM>(dpt, dsa);
                 wgmma_fence();
@@ -269,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             } else {
                 wgmma_wait<1>();  // S^T
                 wgmma_fence_regs(st);
-                probabilities<BM, BN, SOFTCAP, BM>(st, lse2, m, n_block, 0, key_lo, ln, mask, p);
+                probabilities<BM, BN, SOFTCAP, BM>(st, lse2, m, n_block, 0, key_lo, ln, mask, p, shift);
                 acc_to_a_frags<BM>(st, pa);
                 wgmma_fence();
                 issue_acc_ay(dv, pa, sm.dout[s]);

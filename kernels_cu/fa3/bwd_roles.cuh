@@ -41,16 +41,28 @@ struct DqTile {
 // Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
 // that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order,
 // or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q block then).
+// shift: Q block m holds rows from m BM - shift (row_shift_of).
 template <int BM, int BN>
 __device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
-                                        int h, int m, int part, int parts) {
-    const int q_blocks = (p.seqlen_q + BM - 1) / BM;
+                                        int h, int m, int part, int parts, int shift) {
+    const int q_blocks = (p.seqlen_q + shift + BM - 1) / BM;
     int n_first, n_end;
-    mask.kv_block_range<BM, BN>(m, n_first, n_end);
+    mask.kv_block_range_rows<BN>(max(m * BM - shift, 0), min(m * BM + BM - shift, mask.seqlen_q) - 1, n_first, n_end);
     tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part;  // (the launcher checks it fits an int)
     tile.turn = p.rotate_q_blocks
-                    ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + BM - 1) / BM)
+                    ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + shift + BM - 1) / BM)
                     : n_end - 1 - n_block;
+}
+
+// Query rows before row 0 in the first Q block (cuflash/fa3.py, tile_order.bwd_row_shift: under a causal
+// mask every K block's last step is partly empty, the first steps of only a few would be): Q block m holds
+// rows [m BM - shift, (m + 1) BM - shift). The LSE / D rows and the dQ accumulator keep `shift` rows of
+// padding before row 0 (LSE +inf and D 0, so no probability flows there; dQ's never read), so a block's rows
+// there start at m BM as they do without a shift; the Q / dO rows before 0 come zero-filled by TMA. 0 for
+// packed batches.
+template <bool VARLEN>
+__device__ __forceinline__ int row_shift_of(const Fa3BwdParams& p) {
+    return VARLEN ? 0 : p.row_shift;
 }
 
 // The Q block K block n_block visits at step i of its walk over [m_lo, m_hi) (rotated or upwards).
@@ -99,7 +111,8 @@ __device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* 
                                                      const TensorMap* map_v, const TensorMap* map_do,
                                                      const TensorMap* map_lse, const TensorMap* map_dsum,
                                                      const Fa3BwdParams& p, const SeqInfo& seq, int batch,
-                                                     int kv_head, int group, int n_block, int m_lo, int m_hi) {
+                                                     int kv_head, int group, int n_block, int m_lo, int m_hi,
+                                                     int shift) {
     constexpr int KV_BYTES = BN * ATOMS * 128, QB_BYTES = BM * ATOMS * 128;
     const int tma_batch = VARLEN ? 0 : batch;  // a packed batch is one entry of total rows
     mbar_arrive_expect_tx(&sm.kv_full, 2 * KV_BYTES);
@@ -112,11 +125,13 @@ __device__ __forceinline__ void load_kv_and_q_blocks(Smem& sm, const TensorMap* 
             const int m = step_q_block(p, step, n_block, m_lo, m_hi), s = i % STAGES;
             mbar_wait(&sm.qd_empty[s], ((i / STAGES) & 1) ^ 1);
             mbar_arrive_expect_tx(&sm.qd_full[s], 2 * QB_BYTES + 2 * BM * 4);
-            tma_load_atoms<ATOMS>(sm.q[s], BM, map_q, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
-            tma_load_atoms<ATOMS>(sm.dout[s], BM, map_do, &sm.qd_full[s], seq.q_start + m * BM, h, tma_batch);
-            // LSE and D rows of the block from the padded rows (one flat row each). A last block's rows
-            // past the sequence read padding or the next rows (or zeros past the end): the consumers
-            // never use them. (Packed Q / dO rows past the sequence are the next sequence's: masked.)
+            const int q_row = seq.q_start + m * BM - shift;  // (rows before 0: zero-filled)
+            tma_load_atoms<ATOMS>(sm.q[s], BM, map_q, &sm.qd_full[s], q_row, h, tma_batch);
+            tma_load_atoms<ATOMS>(sm.dout[s], BM, map_do, &sm.qd_full[s], q_row, h, tma_batch);
+            // LSE and D rows of the block from the padded rows (one flat row each; with a shift they hold
+            // its padding before row 0). A last block's rows past the sequence read padding or the next
+            // rows (or zeros past the end): the consumers never use them. (Packed Q / dO rows past the
+            // sequence are the next sequence's: masked.)
             const int row0 = lse_row0<VARLEN>(p, seq, batch, h) + m * BM;
             tma_load_2d(sm.lse[s], map_lse, &sm.qd_full[s], row0, 0);
             tma_load_2d(sm.dsum[s], map_dsum, &sm.qd_full[s], row0, 0);
@@ -226,12 +241,14 @@ __device__ __forceinline__ void store_dkv_tma(unsigned char* stage, const Tensor
 }
 
 // The per-query-column values a thread needs from a block's rows (LSE or D), for the N query rows q0 .. q0 +
-// N - 1 of Q block m: v[j][e] = rows[q0 + 8 j + 2 q4 + e], `outside` for rows past the sequence. A whole
-// block (most) reads them as they are; only the last block of a sequence tests rows.
+// N - 1 of Q block m: v[j][e] = rows[q0 + 8 j + 2 q4 + e], `outside` for rows past the sequence (rows
+// before it, shift: the padding holds what `outside` would be). A whole block (most) reads them as they
+// are; only the last block of a sequence tests rows.
 template <int BM, int N>
 __device__ __forceinline__ void column_values(float (&v)[N / 8][2], const float* rows, float outside, int m, int q0,
-                                              const Lane& ln, const SeqInfo& seq) {
-    if ((m + 1) * BM <= seq.seqlen_q) {
+                                              const Lane& ln, const SeqInfo& seq, int shift) {
+    const int end = seq.seqlen_q + shift;  // (in the block's padded rows)
+    if ((m + 1) * BM <= end) {
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -242,7 +259,7 @@ __device__ __forceinline__ void column_values(float (&v)[N / 8][2], const float*
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int r = q0 + 8 * j + 2 * ln.q4 + e;
-                v[j][e] = m * BM + r < seq.seqlen_q ? rows[r] : outside;
+                v[j][e] = m * BM + r < end ? rows[r] : outside;
             }
     }
 }
@@ -254,15 +271,16 @@ __device__ __forceinline__ void column_values(float (&v)[N / 8][2], const float*
 template <int BM, int BN, bool SOFTCAP, int N>
 __device__ __forceinline__ void probabilities(float (&st)[N / 2], const float (&lse2)[N / 8][2], int m, int n_block,
                                               int q0, int key_lo, const Lane& ln, const Mask& mask,
-                                              const Fa3BwdParams& p) {
-    const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block);  // a tile with masked pairs
+                                              const Fa3BwdParams& p, int shift) {
+    const bool edge = !mask.tile_all_visible<BM, BN>(m, n_block, shift);  // a tile with masked pairs
+    const int row0 = m * BM - shift + q0;
 #pragma unroll
     for (int j = 0; j < N / 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             float& x = st[4 * j + e];
             x = fast_exp2(x * p.scale_log2 - lse2[j][e % 2]);
-            const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
+            const int key = key_lo + 8 * (e / 2), row = row0 + 8 * j + 2 * ln.q4 + e % 2;
             if (SOFTCAP && edge && !mask.visible(row, key)) x = 0.f;
         }
     // Without a cap, the mask in a pass of its own once lse2 is dead (folded into the exponentials, its
@@ -272,7 +290,7 @@ __device__ __forceinline__ void probabilities(float (&st)[N / 2], const float (&
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = key_lo + 8 * (e / 2), row = m * BM + q0 + 8 * j + 2 * ln.q4 + e % 2;
+                const int key = key_lo + 8 * (e / 2), row = row0 + 8 * j + 2 * ln.q4 + e % 2;
                 if (!mask.visible(row, key)) st[4 * j + e] = 0.f;
             }
     }
@@ -301,22 +319,22 @@ template <int BM, int BN, bool SOFTCAP, int N>
 __device__ __forceinline__ void probabilities_and_ds(float (&st)[N / 2], float (&dpt)[N / 2], const float* lse_rows,
                                                      const float* dsum_rows, int m, int n_block, int q0, int key_lo,
                                                      const Lane& ln, const SeqInfo& seq, const Mask& mask,
-                                                     const Fa3BwdParams& p) {
+                                                     const Fa3BwdParams& p, int shift) {
     float lse2[N / 8][2], dsum[N / 8][2];  // read before the waits, which order every load after them
-    column_values<BM, N>(lse2, lse_rows, -neg_inf(), m, q0, ln, seq);
-    column_values<BM, N>(dsum, dsum_rows, 0.f, m, q0, ln, seq);
+    column_values<BM, N>(lse2, lse_rows, -neg_inf(), m, q0, ln, seq, shift);
+    column_values<BM, N>(dsum, dsum_rows, 0.f, m, q0, ln, seq, shift);
     wgmma_wait<1>();  // S^T
     wgmma_fence_regs(st);
     if constexpr (SOFTCAP) {
 #pragma unroll
         for (int j = 0; j < N / 2; ++j) st[j] = tanh_approx(st[j] * p.softcap_pre);
     } else {
-        probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p);
+        probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p, shift);
     }
     wgmma_wait<0>();  // dP^T
     wgmma_fence_regs(dpt);
     subtract_dsum<SOFTCAP, N>(dpt, st, dsum);
-    if constexpr (SOFTCAP) probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p);
+    if constexpr (SOFTCAP) probabilities<BM, BN, SOFTCAP, N>(st, lse2, m, n_block, q0, key_lo, ln, mask, p, shift);
 #pragma unroll
     for (int j = 0; j < N / 2; ++j) dpt[j] *= st[j];
 }

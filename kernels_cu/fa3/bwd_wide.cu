@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (warp == 0)
             load_kv_and_q_blocks<LOADED_ATOMS, BM, BN, STAGES, VARLEN>(sm, &map_q, &map_k, &map_v, &map_do,
                                                                        &map_lse, &map_dsum, p, seq, batch, kv_head,
-                                                                       group, n_block, m_lo, m_hi);
+                                                                       group, n_block, m_lo, m_hi, /*shift=*/0);
         else  // the dQ writer of consumer warp - 1: a tile at every step
             write_dq_tiles<D, DQ_BOXES, DQ_BOX_BYTES, DQ_STAGES, DQ_TILE_SLOTS>(sm, &map_dq, p, warp - 1,
                                                                                 group * (m_hi - m_lo));
@@ -177,14 +177,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 tile.col = c * HALF;
                 tile.row = seq.q_start + m * BM;
                 tile.head = VARLEN ? h : batch * p.heads + h;
-                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2);
+                if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2, /*shift=*/0);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
             float st[QH / 2], dpt[QH / 2];
             wgmma_abt_kmajor<QH, DP / 16>(st, sm.k, BN * 128, sm.q[s] + c * QH * 128, BM * 128);
             wgmma_abt_kmajor<QH, DP / 16>(dpt, sm.v, BN * 128, sm.dout[s] + c * QH * 128, BM * 128);
             probabilities_and_ds<BM, BN, SOFTCAP, QH>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, c * QH, key_lo,
-                                                      ln, seq, mask, p);
+                                                      ln, seq, mask, p, /*shift=*/0);
 
             // P^T and dS^T into the shared tiles: both consumers' GEMMs of the last step, which read both
             // halves, are done (each waited for its own before arriving here).

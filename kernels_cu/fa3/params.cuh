@@ -46,4 +46,7 @@ struct Fa3BwdParams {
     // Deterministic mode without a mask bounding the rows, every K block of a head resident at once: the
     // rotated dQ order (common/dq_order.cuh), set by cuflash/fa3.py.
     int rotate_q_blocks;
+    // Query rows of the first Q block before row 0 (fa3/bwd_roles.cuh row_shift_of; fa3/bwd.cu only, 0 for
+    // fa3/bwd_wide.cu and packed batches; cuflash/fa3.py backward).
+    int row_shift;
 };
