@@ -272,3 +272,68 @@ def test_bwd_row_shift():
     assert tile_order.bwd_row_shift(2048, 2048, (2048, 2048), 80, 128) == 0
     assert tile_order.bwd_row_shift(2000, 2000, (2000, 0), 80, 128) == 0
     assert list(tile_order.bwd_steps(2048, 2048, (2048, 0), 80, 128, np.array([0, 32]))) == [230, 224]
+
+
+def _shifted_backward_model(dout, q, k, v, out, lse, left, right, block_m, block_n, shift):
+    """fa3/bwd.cu's data flow with a row shift, one head, float64: Q block m holds padded rows [m block_m,
+    (m + 1) block_m), query row = padded row - shift; Q / dO zero before row 0 (TMA's fill) and past the
+    end; the padded LSE / D rows +inf / 0 in the shift's padding (bwd_aux.cu) and past the end (column_values'
+    `outside`); dq_accum's padding rows start as NaN (never zeroed, never read); the mask as Mask::visible
+    (which does not exclude rows before 0), the K blocks' Q blocks as Mask::q_block_range."""
+    sq, d = q.shape
+    sk = k.shape[0]
+    pitch = -(-(sq + shift) // block_m) * block_m
+    pad = lambda x, fill: np.concatenate([np.full((shift,) + x.shape[1:], fill), x,  # noqa: E731
+                                          np.full((pitch - shift - sq,) + x.shape[1:], fill)])
+    q_rows, do_rows = pad(q, 0.0), pad(dout, 0.0)
+    lse_rows, d_rows = pad(lse, np.inf), pad((dout * out).sum(-1), 0.0)
+    dq_accum = np.concatenate([np.full((shift, d), np.nan), np.zeros((sq, d))])
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    scale = d ** -0.5
+    diag = sk - sq
+    for n in range(-(-sk // block_n)):
+        keys = np.arange(n * block_n, min(sk, (n + 1) * block_n))
+        row_first = max(0, keys[0] - diag - right)
+        row_last = min(sq - 1, keys[-1] - diag + left)
+        if row_last < row_first:
+            continue
+        for m in range((row_first + shift) // block_m, (row_last + shift) // block_m + 1):
+            rows = np.arange(m * block_m, (m + 1) * block_m)  # padded
+            qb, dob = q_rows[rows], do_rows[rows]
+            with np.errstate(over="ignore"):
+                p = np.exp(scale * qb @ k[keys].T - lse_rows[rows][:, None])
+            true_rows = rows[:, None] - shift
+            visible = (keys[None, :] <= true_rows + diag + right) & (keys[None, :] >= true_rows + diag - left)
+            p = np.where(visible, p, 0.0)
+            dv[keys] += p.T @ dob
+            ds = p * (dob @ v[keys].T - d_rows[rows][:, None])
+            dk[keys] += scale * ds.T @ qb
+            inside = rows < shift + sq  # the TMA reduce-add drops rows past dq_accum's end
+            dq_accum[rows[inside]] += scale * (ds @ k[keys])[inside]
+    return dq_accum[shift:], dk, dv
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_shifted_backward_model_matches_the_exact_gradients(seed):
+    """The row shift's padding argument: Q and dO rows before 0 are zero and their LSE +inf, so they add
+    nothing to dK, dV or the real rows of dQ -- also where the mask would let a row before 0 see keys (Sq <
+    Sk causal). Shifts as bwd_row_shift picks them, and any other in range."""
+    from cuflash import _validate, reference
+
+    rng = np.random.default_rng(seed)
+    sq, sk = (int(x) for x in rng.integers(1, 600, 2))
+    d, block_m, block_n = 16, int(rng.choice([64, 80, 96])), int(rng.choice([64, 128]))
+    causal = bool(rng.integers(2))
+    window = (-1, -1) if causal else tuple(int(x) for x in rng.choice([-1, 3, 50], 2))
+    dims = _validate.Dims(1, sq, sk, 1, 1, d, "float32")
+    left, right = _validate.window_bounds(window, causal, dims)
+    q, k, v, dout = (rng.standard_normal((1, n, 1, d)) for n in (sq, sk, sk, sq))
+    out, lse = reference.attention_ref(q, k, v, causal=causal, window_size=window, compute_dtype="float64")
+    want = reference.attention_ref_backward(dout, q, k, v, causal=causal, window_size=window, compute_dtype="float64")
+    spare = -(-sq // block_m) * block_m - sq
+    for shift in {tile_order.bwd_row_shift(sq, sk, (left, right), block_m, block_n), int(rng.integers(0, spare + 1))}:
+        lse_1 = np.where(np.isfinite(lse[0, 0]), lse[0, 0], np.inf)  # rows that see no key: +inf, as preprocessed
+        got = _shifted_backward_model(dout[0, :, 0], q[0, :, 0], k[0, :, 0], v[0, :, 0], out[0, :, 0], lse_1,
+                                      left, right, block_m, block_n, shift)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w[0, :, 0], rtol=1e-9, atol=1e-9)
