@@ -741,3 +741,46 @@ def test_decode_kernels_use_tensor_cores_and_cp_async(arch):
         ops = r["opcodes"]
         assert ops and ops["HMMA"] > 0 and ops["LDGSTS"] > 0 and ops["LDSM"] > 0, r["name"]
         assert r["spill_bytes"] == 0 and r["stack_bytes"] == 0, r["name"]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+@pytest.mark.parametrize("tiles", [1, 2, 3, 5, 17])
+def test_page_ring_schedule(stages, tiles):
+    """decode/fwd.cu's page-table entry ring, replayed in Python: tile t's entries go to slot t % (2 stages)
+    in the commit group of tile t - (stages - 1) (the first stages - 1 tiles' before the prologue, waited
+    for at once); the copy of tile t reads them after the wait for tile t - (stages - 1)'s group and a
+    barrier. Checks that every read finds its tile's entries landed, and that no slot is rewritten before
+    the barrier that follows its last read."""
+    ring = 2 * stages
+    slot = {}           # slot -> (tile, group that writes it)
+    last_read = {}      # slot -> the barrier count at which it was last read
+    groups_done = -1    # groups landed (for this thread: cp.async.wait_group); the prologue's entries: group -1
+    barriers = 0
+
+    def write(t, group):
+        s = t % ring
+        if s in last_read:  # the write is issued after every thread passed a barrier since the last read
+            assert barriers > last_read[s], (t, s)
+        slot[s] = (t, group)
+
+    def read(t):
+        s = t % ring
+        assert slot[s][0] == t and slot[s][1] <= groups_done, (t, slot[s], groups_done)
+        last_read[s] = barriers
+
+    for t in range(min(stages - 1, tiles)):  # the prologue's own group, waited for, then a barrier
+        write(t, -1)
+    barriers += 1
+    for s in range(stages - 1):  # prologue groups 0 .. stages - 2: tile s's data, tile s + stages - 1's entries
+        if s < tiles:
+            read(s)
+        if s + stages - 1 < tiles:
+            write(s + stages - 1, s)
+    for n in range(tiles):  # loop iteration n: group n + stages - 1
+        groups_done = n  # cp_async_wait<stages - 2>: the group of tile n (= group n) has landed
+        barriers += 1
+        nxt = n + stages - 1
+        if nxt < tiles:
+            read(nxt)
+        if nxt + stages - 1 < tiles:
+            write(nxt + stages - 1, nxt)
