@@ -293,12 +293,18 @@ def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes:
     ``schedule``) for tiles of block_m query rows and block_n keys; returns the grid (one block per SM, at
     most one per tile). ``pack``: GQA packing (a tile's rows are the (query, head) pairs of a KV head's
     group); ``shift_rows``: the variant takes a row_shift."""
-    m_blocks = -(-dims.seqlen_q * (dims.heads // dims.kv_heads if pack else 1) // block_m)
-    pairs = (dims.kv_heads if pack else dims.heads) * dims.batch
+    m_blocks, pairs = _tile_counts(dims, block_m, pack)
     grid = min(m_blocks * pairs, _sm_count())  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     p["sched_section"], p["sched_serpentine"], p["row_shift"] = schedule(
         dims, window, block_m, block_n, elem_bytes, budget_kib, pack, grid, shift_rows)
     return grid
+
+
+def _tile_counts(dims: Dims, block_m: int, pack: bool) -> tuple[int, int]:
+    """(query blocks, (head, batch) pairs) of the forward's tiles; packed, a tile's rows are the (query,
+    head) pairs of a KV head's group."""
+    m_blocks = -(-dims.seqlen_q * (dims.heads // dims.kv_heads if pack else 1) // block_m)
+    return m_blocks, (dims.kv_heads if pack else dims.heads) * dims.batch
 
 
 def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int, pack: bool,
@@ -307,8 +313,7 @@ def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, bu
     cuflash/tile_order.py chooses them within ``budget_kib`` of K/V per section; the row shift only with
     ``shift_rows`` (tile_order.row_shift decides). Also cuflash.iomodel's."""
     group = dims.heads // dims.kv_heads
-    m_blocks = -(-dims.seqlen_q * (group if pack else 1) // block_m)
-    pairs = (dims.kv_heads if pack else dims.heads) * dims.batch
+    m_blocks, pairs = _tile_counts(dims, block_m, pack)
     # K and V of a (head, batch) pair, rows of whole 128-byte atoms; a GQA group's query heads share them
     kv_bytes = dims.seqlen_k * (-(-dims.headdim * elem_bytes // 128) * 128) * 2 // (1 if pack else group)
     fit = tile_order.section_fit(kv_bytes, budget_kib << 10)

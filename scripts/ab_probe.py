@@ -300,14 +300,24 @@ def bwd_dkv(rounds, reps):
 
 
 @contextmanager
-def bwd_rows_from_zero():
-    """fa3's backward launches take no row shift (the last Q block's spare rows after the end)."""
-    chosen = tile_order.bwd_row_shift
-    tile_order.bwd_row_shift = lambda *args: 0
+def replaced(owner, name, value):
+    """``owner.name`` is ``value`` inside the block."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        tile_order.bwd_row_shift = chosen
+        setattr(owner, name, saved)
+
+
+def short_masked_rows_at(seqlen):
+    """Masked rows shorter than ``seqlen`` take FA3_TILES (two warpgroups), longer FA3_TILES_3WG."""
+    return replaced(heuristics, "FA3_3WG_MIN_MASKED_SEQLEN", seqlen)
+
+
+def bwd_rows_from_zero():
+    """fa3's backward launches take no row shift (the last Q block's spare rows after the end)."""
+    return replaced(tile_order, "bwd_row_shift", lambda *args: 0)
 
 
 def bwd_row_shift(rounds, reps):
@@ -316,15 +326,14 @@ def bwd_row_shift(rounds, reps):
     bwd_interleaved({"shifted": as_is, "from row 0": bwd_rows_from_zero}, (64, 128), (2048, 4096), rounds, reps)
 
 
-@contextmanager
-def short_masked_rows_at(seqlen):
-    """Masked rows shorter than ``seqlen`` take FA3_TILES (two warpgroups), longer FA3_TILES_3WG."""
-    saved = heuristics.FA3_3WG_MIN_MASKED_SEQLEN
-    heuristics.FA3_3WG_MIN_MASKED_SEQLEN = seqlen
-    try:
-        yield
-    finally:
-        heuristics.FA3_3WG_MIN_MASKED_SEQLEN = saved
+def fwd_interleaved(d, n, causal, configs, rounds, reps):
+    """FA3 forward bf16 on the benchmark shape of head dim d and length n, ``configs`` interleaved."""
+    import cuflash
+
+    b, h, (q, k, v) = bench_shape(d, n, 3)
+    interleaved(f"fa3 bf16 d={d} N={n} causal={causal}", configs,
+                lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"),
+                4 * b * h * n * n * d / (2 if causal else 1), rounds, reps)
 
 
 def d64_tiles(**changes):
@@ -356,28 +365,16 @@ D64_CASES = ((1024, True), (2048, True), (4096, True), (2048, False), (8192, Fal
 
 def fwd_d64(rounds, reps):
     """FA3 forward d = 64: the table's tiles against the alternatives of D64, at D64_CASES."""
-    import cuflash
-
     for n, causal in D64_CASES:
-        b, h, (q, k, v) = bench_shape(64, n, 3)
-        interleaved(f"fa3 bf16 d=64 N={n} causal={causal}", D64,
-                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"),
-                    4 * b * h * n * n * 64 / (2 if causal else 1), rounds, reps)
+        fwd_interleaved(64, n, causal, D64, rounds, reps)
 
 
-@contextmanager
 def rows_from_zero():
     """fa3's launches tile the query rows from row 0 (no row_shift: the spare rows after the end)."""
-    shifted = tile_order.row_shift
-
     def unshifted(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window):
         return 0, tile_order.tile_costs(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window)
 
-    tile_order.row_shift = unshifted
-    try:
-        yield
-    finally:
-        tile_order.row_shift = shifted
+    return replaced(tile_order, "row_shift", unshifted)
 
 
 @contextmanager
@@ -390,8 +387,6 @@ def fwd_row_shift(rounds, reps):
     """FA3 forward, causal: the spare rows before row 0 (as built) against after the end; and at d = 64 N =
     1k, where two warpgroups are tabled (three lost there with the spare rows at the end: 1024 = 5 x 192 +
     64 leaves the dearest tile two thirds empty), three with the shift (16 % fewer K tiles) against both."""
-    import cuflash
-
     cases = [(64, 2048, {"shifted": as_is, "from row 0": rows_from_zero}),
              (64, 4096, {"shifted": as_is, "from row 0": rows_from_zero}),
              (64, 8192, {"shifted": as_is, "from row 0": rows_from_zero}),
@@ -399,39 +394,24 @@ def fwd_row_shift(rounds, reps):
              (64, 1024, {"table (2 warpgroups)": as_is, "3 warpgroups, shifted": lambda: short_masked_rows_at(0),
                          "3 warpgroups, from row 0": three_warpgroups_from_row_0})]
     for d, n, configs in cases:
-        b, h, (q, k, v) = bench_shape(d, n, 3)
-        interleaved(f"fa3 bf16 d={d} N={n} causal", configs,
-                    lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"),
-                    4 * b * h * n * n * d / 2, rounds, reps)
+        fwd_interleaved(d, n, True, configs, rounds, reps)
 
 
-@contextmanager
 def old_tile_order():
     """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
     fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
     sections, the serpentine only when one holds every pair."""
-    chosen = tile_order.choose
-
     def old(m_blocks, pairs, grid, fit, m_costs):
         return (pairs, True) if m_costs is not None and 2 * pairs < grid else (fit, fit >= pairs)
 
-    tile_order.choose = old
-    try:
-        yield
-    finally:
-        tile_order.choose = chosen
+    return replaced(tile_order, "choose", old)
 
 
 def fwd_order(rounds, reps):
     """FA3 forward, causal: the model's tile order against the old rule."""
-    import cuflash
-
     for d in BF16_HEADDIMS:
         for n in (512, 1024, 2048, 4096, 8192):
-            b, h, (q, k, v) = bench_shape(d, n, 3)
-            flops = 4 * b * h * n * n * d / 2
-            interleaved(f"fa3 bf16 d={d} N={n} causal", {"model": as_is, "old rule": old_tile_order},
-                        lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl="fa3"), flops, rounds, reps)
+            fwd_interleaved(d, n, True, {"model": as_is, "old rule": old_tile_order}, rounds, reps)
 
 
 def main():

@@ -286,6 +286,12 @@ struct OnlineSoftmax {
         return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
     }
 
+    // Row r's natural-log LSE, (m scale log2 e + log2 l) ln 2, from its quad-summed l; -inf for a row that
+    // saw no key (l = 0).
+    __device__ __forceinline__ float lse(int r, float l, float scale_log2) const {
+        return l > 0.f ? (row_max[r] * scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+    }
+
     __device__ __forceinline__ void rescale(float (&o)[OD / 2]) const {
 #pragma unroll
         for (int j = 0; j < OD / 8; ++j) {
@@ -327,8 +333,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
                 *reinterpret_cast<uint2*>(out + 8 * j) = odd ? make_uint2(got, kept) : make_uint2(kept, got);
         }
         if (q4 == 0 && in_sequence)
-            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] =
-                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + row] = sm.lse(r, l, p.scale_log2);
     }
 }
 
@@ -356,8 +361,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
         }
         const int global_row = row0 + row;
         if (q4 == 0 && global_row < p.seqlen_q)
-            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] =
-                l > 0.f ? (sm.row_max[r] * p.scale_log2 + log2f(l)) * 0.69314718055994531f : neg_inf();
+            p.lse[batch * p.row_batch_stride + head * p.row_head_stride + global_row] = sm.lse(r, l, p.scale_log2);
     }
     fence_async_smem();
     named_sync(EPILOGUE_BAR + c, 128);
