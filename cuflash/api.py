@@ -520,7 +520,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         mb = decode.m_blocks(dims)
         if splits == 0:
             splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
-                                       device_properties(call.device.id)["multiProcessorCount"], paged=dims.paged,
+                                       device_properties(call.device.id)["multiProcessorCount"],
+                                       paged=dims.paged and DECODE_TILES[dims.headdim].paged_rule,
                                        page_size=dims.page_size if dims.paged else None)
         _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
         if "out" in spec:
@@ -598,7 +599,7 @@ def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, p
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         raise ValueError(f"page_size must be a positive int or None; got {page_size!r}")
     return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms,
-                             paged=paged, page_size=page_size)
+                             paged=paged and DECODE_TILES[headdim].paged_rule, page_size=page_size)
 
 
 def kvcache_workspace_bytes(batch, heads, seqlen_q, headdim, num_splits, *, dtype="bfloat16", rotary=False,

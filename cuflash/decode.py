@@ -147,7 +147,7 @@ def fwd_variant(headdim: int, dtype: str, paged: bool) -> Variant:
     return Variant(
         FAMILY, "decode/fwd.cu", "decode_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
-         ("CUFLASH_COPY_CHUNKS", t.copy_chunks),
+         ("CUFLASH_COPY_CHUNKS", t.paged_copy_chunks if paged else t.copy_chunks),
          ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
         threads=fwd_threads(headdim), smem_bytes=fwd_smem_bytes(headdim),
     )

@@ -301,6 +301,8 @@ class DecodeTiles:
     block_n: int  # keys per K/V tile; one warp per 16 of them (its own online softmax)
     stages: int  # K/V tiles in flight in the cp.async ring (the bytes in flight that decode lives on)
     copy_chunks: int = 1  # 16-byte chunks of a K/V row each thread copies (a row's address worked out once)
+    paged_copy_chunks: int = 1  # the same for a paged cache (a row's address there is a page lookup too)
+    paged_rule: bool = True  # a paged cache with small pages splits by decode_num_splits' paged rule
 
 
 # head dim -> decode tiles. A thread block holds 16 query rows (the GQA group's heads x the queries) and
@@ -308,10 +310,17 @@ class DecodeTiles:
 # H200's HBM busy at ~1 us latency) and enough blocks. A stage is 2 x 64 x d x 2 bytes: 16 KB at d = 64
 # (4 stages, 66 KB: three blocks per SM on Hopper), 32 KB at d = 128 (3 stages, 100 KB: two blocks per
 # SM), 64 KB at d = 256 (2 stages, 136 KB). All fit sm_80's 163 KB.
+# A paged cache's copies at d = 128 / 256 take 2 / 4 chunks of a row per thread and split like a contiguous
+# cache. H200 (scripts/decode_probe.py --ab, session 19; 32 query / 8 KV heads, page size 16, us, table
+# before -> now, contiguous in brackets): d = 128 1 x 32k 43.6 -> 40.1 (38.3), 16 x 8k 132.3 -> 129.5
+# (123.2), page 1 43.8 -> 41.5 and 134.2 -> 132.9; d = 256 1 x 32k 116.7 -> 77.9 (76.3), 16 x 8k 336.5 ->
+# 252.8 (245.6). Contiguous caches gain nothing from more chunks (d = 128 level, d = 64 and 4 chunks at
+# d = 128 slower), nor does d = 64 paged at 16 x 8k (75.0 as is, 78.7 with 2 chunks, 94.0 with 2 chunks
+# split like a contiguous cache; 1 x 32k 38.2 -> 35.8 would gain).
 DECODE_TILES = {
     64: DecodeTiles(block_n=64, stages=4),
-    128: DecodeTiles(block_n=64, stages=3),
-    256: DecodeTiles(block_n=64, stages=2),
+    128: DecodeTiles(block_n=64, stages=3, paged_copy_chunks=2, paged_rule=False),
+    256: DecodeTiles(block_n=64, stages=2, paged_copy_chunks=4, paged_rule=False),
 }
 DECODE_BLOCK_M = 16  # query rows per thread block (one m16 MMA tile)
 DECODE_MAX_SPLITS = 128  # the combine reads every split's partial O: past this the merge costs more than it buys
@@ -338,8 +347,9 @@ def decode_num_splits(batch: int, kv_heads: int, m_blocks: int, max_keys: int, b
     unsplit grid is about one block per SM: there two splits give each SM a second block (H200, 16 x 8k,
     page size 1: 148 -> 132 µs; a contiguous cache there is 123 µs unsplit and 129 with two splits).
     ``max_keys``: the longest entry's key count (or the cache capacity when the lengths are not known on
-    the host). ``page_size``: a paged cache's; from DECODE_SMALL_PAGE_BELOW it splits like a contiguous
-    one (None: the paged rule, an upper bound of both)."""
+    the host). ``paged``: the paged rule applies (a paged cache whose head dim's DecodeTiles.paged_rule is
+    set). ``page_size``: a paged cache's; from DECODE_SMALL_PAGE_BELOW it splits like a contiguous one
+    (None: the paged rule, an upper bound of both)."""
     paged = paged and (page_size is None or page_size < DECODE_SMALL_PAGE_BELOW)
     blocks = batch * kv_heads * m_blocks
     tiles = -(-max_keys // block_n)

@@ -143,16 +143,17 @@ def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
 
 
 @contextmanager
-def decode_config(block_n=None, stages=None, no_compute=False, num_splits=None, copy_chunks=None):
+def decode_config(block_n=None, stages=None, no_compute=False, splits=None, copy_chunks=None):
     """Decode calls at head dim D take ``block_n`` keys per tile (one warp per 16) in ``stages`` ring
-    slots, each thread copying ``copy_chunks`` 16-byte chunks of a row (the table's where not given), and
-    with ``no_compute`` the timing-only variant without the attention math. (``num_splits`` is ab()'s:
-    the split count instead of the heuristic's.)"""
+    slots, each thread copying ``copy_chunks`` 16-byte chunks of a row, contiguous or paged (the table's where
+    not given), and
+    with ``no_compute`` the timing-only variant without the attention math. (``splits`` is ab()'s:
+    "contiguous" splits a paged cache by the contiguous rule instead of the paged one.)"""
     saved, built = heuristics.DECODE_TILES[D], decode.fwd_variant
     if block_n or stages or copy_chunks:
-        heuristics.DECODE_TILES[D] = heuristics.DecodeTiles(block_n=block_n or saved.block_n,
-                                                            stages=stages or saved.stages,
-                                                            copy_chunks=copy_chunks or saved.copy_chunks)
+        chunks = dict(copy_chunks=copy_chunks, paged_copy_chunks=copy_chunks) if copy_chunks else {}
+        heuristics.DECODE_TILES[D] = dataclasses.replace(saved, block_n=block_n or saved.block_n,
+                                                         stages=stages or saved.stages, **chunks)
     if no_compute:
         def variant(*args, **kwargs):
             v = built(*args, **kwargs)
@@ -177,11 +178,14 @@ AB_CONFIGS = {
     "no math (timing only)": dict(no_compute=True),
     # a row's address (paged: its page lookup and 64-bit math) once per 2 / 4 chunks of the row a thread
     # copies instead of once per chunk (session 18: every paged page size ~42.4 us at 1 x 32k against the
-    # contiguous 38.6, after the page-table entries moved to shared memory)
+    # contiguous 38.6, after the page-table entries moved to shared memory). Session 19 (paged rule's split
+    # counts): 4 chunks slower everywhere (1 x 32k contiguous 40.4 vs 38.3, 16 x 8k paged +15 us), 2 chunks
+    # level contiguous and 1 x 32k, 16 x 8k paged -2 us; at 16 splits instead of the paged rule's 33, 4
+    # chunks gained 3-6 us on every paged 1 x 32k row.
     "2 chunks per thread": dict(copy_chunks=2),
-    "4 chunks per thread": dict(copy_chunks=4),
-    "no math, 4 chunks": dict(copy_chunks=4, no_compute=True),
-    "4 chunks, 16 splits": dict(copy_chunks=4, num_splits=16),  # paged: one block per SM, as contiguous
+    "contiguous splits": dict(splits="contiguous"),  # a paged cache split as a contiguous one would be
+    "2 chunks, contiguous splits": dict(copy_chunks=2, splits="contiguous"),
+    "4 chunks, contiguous splits": dict(copy_chunks=4, splits="contiguous"),
 }
 
 
@@ -193,8 +197,8 @@ def ab(batch, cache_len, page_size, rounds, in_order=False):
     for _ in range(rounds):
         for name, config in AB_CONFIGS.items():
             with decode_config(**config):
-                ns = config.get("num_splits") or kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len,
-                                                                    paged=bool(page_size))
+                paged_rule = bool(page_size) and config.get("splits") != "contiguous"
+                ns = kvcache_num_splits(batch, HEADS, KV_HEADS, 1, D, cache_len, paged=paged_rule)
                 ws = cupy.empty(kvcache_workspace_bytes(batch, HEADS, 1, D, ns), dtype=cupy.uint8)
                 times[name].append(replay_us(lambda: cuflash.flash_attn_with_kvcache(
                     q, k, v, cache_seqlens=seqlens, page_table=table, num_splits=ns, check=False, out=out,
@@ -205,8 +209,10 @@ def ab(batch, cache_len, page_size, rounds, in_order=False):
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x32768,16x8192")
+    ap.add_argument("--headdim", type=int, default=D, help="head dim (32 query heads, 8 KV heads)")
     ap.add_argument("--splits", default="1,8,16,33,66,132")
     ap.add_argument("--page-sizes", default="0", help="0 = contiguous cache, else paged with that page size")
     ap.add_argument("--head-major", action="store_true", help="also a contiguous cache stored head by head")
@@ -215,6 +221,7 @@ def main():
     ap.add_argument("--pages-in-order", action="store_true",
                     help="with --ab: paged caches also with their pages in order (DRAM locality against lookups)")
     args = ap.parse_args()
+    D = args.headdim
     splits = [int(x) for x in args.splits.split(",")]
     for shape in args.shapes.split(","):
         b, n = (int(x) for x in shape.lower().split("x"))

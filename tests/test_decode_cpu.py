@@ -473,7 +473,8 @@ def test_unchecked_call_reads_nothing_on_the_host(spec_env, paged):
         _call(KV, args)()
     assert not cupy.asnumpy.called and not cupy.ndarray.get.called
     capacity = MAXP * PAGE if paged else CACHE
-    want = heuristics.decode_num_splits(B, HKV, 1, capacity, heuristics.DECODE_TILES[D].block_n, 132, paged=paged,
+    tiles = heuristics.DECODE_TILES[D]
+    want = heuristics.decode_num_splits(B, HKV, 1, capacity, tiles.block_n, 132, paged=paged and tiles.paged_rule,
                                         page_size=PAGE if paged else None)
     assert spec_env["launches"][-1][1][12] == want
 
@@ -493,8 +494,9 @@ def test_kvcache_num_splits_is_the_call_s_choice_and_bounds_it(spec_env):
         api.kvcache_num_splits(1, 8, 3, 1, 128, 100, device=0)
     for size in (1, 16, 256):  # the page size the call passes on; the paged count without one bounds them
         got = api.kvcache_num_splits(1, 32, 8, 1, D, 32768, paged=True, page_size=size, device=0)
-        assert got == heuristics.decode_num_splits(1, 8, 1, 32768, heuristics.DECODE_TILES[D].block_n, 132,
-                                                   paged=True, page_size=size)
+        tiles = heuristics.DECODE_TILES[D]
+        assert got == heuristics.decode_num_splits(1, 8, 1, 32768, tiles.block_n, 132, paged=tiles.paged_rule,
+                                                   page_size=size)
         assert got <= api.kvcache_num_splits(1, 32, 8, 1, D, 32768, paged=True, device=0)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="page_size"):

@@ -113,19 +113,20 @@ def test_paged(poison_allocations, page_size, num_splits, d):
     _run(args, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("copy_chunks", [2, 4])
+@pytest.mark.parametrize("copy_chunks", [1, 2, 4])
 @pytest.mark.parametrize("page_size", [0, 1, 16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_copy_chunks(poison_allocations, monkeypatch, copy_chunks, page_size, d):
-    """The tile copy with each thread taking 2 or 4 chunks of a row (heuristics.DecodeTiles.copy_chunks;
-    scripts/decode_probe.py times them): contiguous and paged, ragged lengths with rows past the keys."""
+    """The tile copy with each thread taking 1, 2 or 4 chunks of a row (heuristics.DecodeTiles.copy_chunks and
+    paged_copy_chunks; scripts/decode_probe.py times them): contiguous and paged, ragged lengths with rows
+    past the keys."""
     import dataclasses
 
     from cuflash import heuristics
 
     # (cuflash.decode and cuflash.api hold the same dict)
-    monkeypatch.setitem(heuristics.DECODE_TILES, d, dataclasses.replace(heuristics.DECODE_TILES[d],
-                                                                         copy_chunks=copy_chunks))
+    monkeypatch.setitem(heuristics.DECODE_TILES, d, dataclasses.replace(heuristics.DECODE_TILES[d], copy_chunks=copy_chunks,
+                                                                         paged_copy_chunks=copy_chunks))
     args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=page_size > 0, page_size=page_size, b=4, sq=1,
                    h=8, hkv=2, d=d, lens=(0, 1, 300, 1000), new=1)
     _run(args, num_splits=3)
