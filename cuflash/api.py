@@ -518,10 +518,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         if why is not None:
             raise ValueError(f"flash_attn_with_kvcache cannot run this call: {why}")
         mb = decode.m_blocks(dims)
+        num_sms = device_properties(call.device.id)["multiProcessorCount"]
         if splits == 0:
-            splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, DECODE_TILES[dims.headdim].block_n,
-                                       device_properties(call.device.id)["multiProcessorCount"],
-                                       paged=dims.paged and DECODE_TILES[dims.headdim].paged_rule,
+            tiles = DECODE_TILES[dims.headdim]
+            splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, tiles.block_n, num_sms,
+                                       paged=dims.paged and tiles.paged_rule,
                                        page_size=dims.page_size if dims.paged else None)
         _validate.check_grid_x(splits * mb, "flash_attn_with_kvcache (num_splits x query blocks)")
         if "out" in spec:
@@ -557,7 +558,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             o_part = buffer("o_partial", (splits,) + qa.shape, cupy.float32)
             lse_part = buffer("lse_partial", (splits, dims.batch, dims.heads, dims.seqlen_q), cupy.float32)
         decode.forward(qa if q_rot is None else q_rot, arr["k_cache"], arr["v_cache"], out_arr, lse, seqlens_dev, pt,
-                       cbi, dims, window, scale, softcap, splits, call.stream, o_partial=o_part, lse_partial=lse_part)
+                       cbi, dims, window, scale, softcap, splits, num_sms, call.stream, o_partial=o_part,
+                       lse_partial=lse_part)
         result = out if out is not None else call.wrap(out_arr)
         return (result, call.wrap(lse)) if return_softmax_lse else result
 

@@ -132,9 +132,15 @@ def carve(ws, layout, q_dtype) -> dict:
             for name, offset, shape, dt in layout}
 
 
-def fwd_smem_bytes(headdim: int) -> int:
+def fwd_stages(headdim: int, paged: bool, one_wave: bool) -> int:
+    """The cp.async ring's depth: heuristics.DecodeTiles.paged_wave_stages for a paged cache whose grid
+    is at most one block per SM, else the table's stages."""
     t = DECODE_TILES[headdim]
-    return DECODE_BLOCK_M * headdim * 2 + 2 * t.stages * t.block_n * headdim * 2
+    return t.paged_wave_stages if paged and one_wave and t.paged_wave_stages else t.stages
+
+
+def fwd_smem_bytes(headdim: int, stages: int) -> int:
+    return DECODE_BLOCK_M * headdim * 2 + 2 * stages * DECODE_TILES[headdim].block_n * headdim * 2
 
 
 def fwd_threads(headdim: int) -> int:
@@ -142,14 +148,16 @@ def fwd_threads(headdim: int) -> int:
     return DECODE_TILES[headdim].block_n // 16 * 32
 
 
-def fwd_variant(headdim: int, dtype: str, paged: bool) -> Variant:
+def fwd_variant(headdim: int, dtype: str, paged: bool, one_wave: bool = False) -> Variant:
+    """``one_wave``: the grid has at most one block per SM (fwd_stages)."""
     t = DECODE_TILES[headdim]
+    stages = fwd_stages(headdim, paged, one_wave)
     return Variant(
         FAMILY, "decode/fwd.cu", "decode_fwd",
-        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", t.stages),
+        (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", stages),
          ("CUFLASH_COPY_CHUNKS", t.paged_copy_chunks if paged else t.copy_chunks),
          ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
-        threads=fwd_threads(headdim), smem_bytes=fwd_smem_bytes(headdim),
+        threads=fwd_threads(headdim), smem_bytes=fwd_smem_bytes(headdim, stages),
     )
 
 
@@ -165,6 +173,8 @@ def combine_variant(out_dtype: str) -> Variant:
 
 def all_variants() -> list[Variant]:
     out = [fwd_variant(d, dtype, paged) for dtype in DTYPE_CODES for d in HEADDIMS for paged in (False, True)]
+    out += [fwd_variant(d, dtype, True, one_wave=True) for dtype in DTYPE_CODES for d in HEADDIMS
+            if DECODE_TILES[d].paged_wave_stages]
     out += [append_variant(k, dtype) for dtype in DTYPE_CODES for k in ("kv_append", "q_rotary")]
     out += [combine_variant(t) for t in COMBINE_DTYPE_CODES]
     return out
@@ -231,13 +241,14 @@ def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_ba
 
 
 def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batch_idx, dims: KvDims,
-            window: tuple[int, int], scale: float, softcap: float, num_splits: int, stream, *, o_partial=None,
-            lse_partial=None) -> None:
+            window: tuple[int, int], scale: float, softcap: float, num_splits: int, num_sms: int, stream, *,
+            o_partial=None, lse_partial=None) -> None:
     """Attention of q over the cache (which already holds the new tokens). ``num_splits == 1`` writes
     ``out``/``lse`` directly; otherwise the kernel writes ``o_partial`` (num_splits, batch, seqlen_q,
     heads, d) and ``lse_partial`` (num_splits, batch, heads, seqlen_q), fp32 scratch, and the combine
-    kernel merges them into out/lse."""
-    variant = fwd_variant(dims.headdim, dims.dtype, dims.paged)
+    kernel merges them into out/lse. ``num_sms``: the device's SM count (fwd_stages)."""
+    grid = (num_splits * m_blocks(dims), dims.kv_heads, dims.batch)
+    variant = fwd_variant(dims.headdim, dims.dtype, dims.paged, one_wave=math.prod(grid) <= num_sms)
     f = {name: _ptr(a) for name, a in (
         ("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse), ("o_partial", o_partial),
         ("lse_partial", lse_partial), ("cache_seqlens", cache_seqlens), ("page_table", page_table),
@@ -247,14 +258,12 @@ def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batc
     f["page_table_stride"] = _row_stride(page_table)
     f["batch"], f["heads"], f["kv_heads"] = dims.batch, dims.heads, dims.kv_heads
     f["seqlen_q"], f["seqlen_new"], f["page_size"] = dims.seqlen_q, dims.seqlen_new, dims.page_size
-    mb = m_blocks(dims)
-    f["num_splits"], f["m_blocks"] = num_splits, mb
+    f["num_splits"], f["m_blocks"] = num_splits, grid[0] // num_splits
     f["window_left"], f["window_right"] = window
     if softcap > 0:
         f["scale_log2"], f["softcap_pre"] = softcap * LOG2E, scale / softcap
     else:
         f["scale_log2"], f["softcap_pre"] = scale * LOG2E, 0.0
-    grid = (num_splits * mb, dims.kv_heads, dims.batch)
     launch(variant, grid, (_struct(FWD_PARAMS, f),), stream)
     if num_splits > 1:
         combine(o_partial, lse_partial, out, lse, stream, after_split=True)

@@ -303,6 +303,7 @@ class DecodeTiles:
     copy_chunks: int = 1  # 16-byte chunks of a K/V row each thread copies (a row's address worked out once)
     paged_copy_chunks: int = 1  # the same for a paged cache (a row's address there is a page lookup too)
     paged_rule: bool = True  # a paged cache with small pages splits by decode_num_splits' paged rule
+    paged_wave_stages: int = 0  # a paged cache's ring when the grid is one block per SM or fewer (0: stages)
 
 
 # head dim -> decode tiles. A thread block holds 16 query rows (the GQA group's heads x the queries) and
@@ -317,9 +318,14 @@ class DecodeTiles:
 # 252.8 (245.6). Contiguous caches gain nothing from more chunks (d = 128 level, d = 64 and 4 chunks at
 # d = 128 slower), nor does d = 64 paged at 16 x 8k (75.0 as is, 78.7 with 2 chunks, 94.0 with 2 chunks
 # split like a contiguous cache; 1 x 32k 38.2 -> 35.8 would gain).
+# A paged cache's rows are spread over the whole cache, so its loads wait longer (page 1 most, then 16, 64):
+# at d = 128 a grid of at most one block per SM takes a ring of 4 stages (135 KB: one block per SM either
+# way). H200 (session 19, 3 -> 4 stages, us): 1 x 32k page 1 40.9 -> 39.6, page 16 40.1 -> 39.4 (contiguous
+# 38.0 -> 38.3, so it keeps 3); 16 x 8k page 1 129.9 -> 126.3, page 16 127.1 -> 125.4. Where two blocks fit
+# per SM the third stage loses them: 64 x 4k page 1 249.0 -> 256.4, page 16 244.6 -> 254.5.
 DECODE_TILES = {
     64: DecodeTiles(block_n=64, stages=4),
-    128: DecodeTiles(block_n=64, stages=3, paged_copy_chunks=2, paged_rule=False),
+    128: DecodeTiles(block_n=64, stages=3, paged_copy_chunks=2, paged_rule=False, paged_wave_stages=4),
     256: DecodeTiles(block_n=64, stages=2, paged_copy_chunks=4, paged_rule=False),
 }
 DECODE_BLOCK_M = 16  # query rows per thread block (one m16 MMA tile)

@@ -143,13 +143,16 @@ def probe(batch, cache_len, splits_list, page_size=0, head_major=False):
 
 
 @contextmanager
-def decode_config(block_n=None, stages=None, no_compute=False, splits=None, copy_chunks=None):
+def decode_config(block_n=None, stages=None, no_compute=False, splits=None, copy_chunks=None, no_combine=False):
     """Decode calls at head dim D take ``block_n`` keys per tile (one warp per 16) in ``stages`` ring
     slots, each thread copying ``copy_chunks`` 16-byte chunks of a row, contiguous or paged (the table's where
     not given), and
-    with ``no_compute`` the timing-only variant without the attention math. (``splits`` is ab()'s:
+    with ``no_compute`` the timing-only variant without the attention math, with ``no_combine`` the split
+    kernel alone (timing only: out is not written). (``splits`` is ab()'s:
     "contiguous" splits a paged cache by the contiguous rule instead of the paged one.)"""
-    saved, built = heuristics.DECODE_TILES[D], decode.fwd_variant
+    saved, built, combine = heuristics.DECODE_TILES[D], decode.fwd_variant, decode.combine
+    if no_combine:
+        decode.combine = lambda *args, **kwargs: None
     if block_n or stages or copy_chunks:
         chunks = dict(copy_chunks=copy_chunks, paged_copy_chunks=copy_chunks) if copy_chunks else {}
         heuristics.DECODE_TILES[D] = dataclasses.replace(saved, block_n=block_n or saved.block_n,
@@ -162,7 +165,7 @@ def decode_config(block_n=None, stages=None, no_compute=False, splits=None, copy
     try:
         yield
     finally:
-        heuristics.DECODE_TILES[D], decode.fwd_variant = saved, built
+        heuristics.DECODE_TILES[D], decode.fwd_variant, decode.combine = saved, built, combine
 
 
 # name -> decode_config's arguments. Session 17 on the H200 (us; plain read of the K/V bytes 31.5-32.2 at
@@ -176,16 +179,24 @@ def decode_config(block_n=None, stages=None, no_compute=False, splits=None, copy
 AB_CONFIGS = {
     "table": {},
     "no math (timing only)": dict(no_compute=True),
+    # what a combine inside the split kernel could save at most (session 19: merged by each query block's
+    # last split after an atomic arrival count, the 1 x 32k call took 43.4 us against 39.4 with the
+    # combine kernel as the split kernel's programmatic dependent -- the fence, atomic and L2 round trips
+    # on the critical path cost more than the dependent launch)
+    "split kernel alone (timing only)": dict(no_combine=True),
+    "no math, split kernel alone": dict(no_compute=True, no_combine=True),
     # a row's address (paged: its page lookup and 64-bit math) once per 2 / 4 chunks of the row a thread
-    # copies instead of once per chunk (session 18: every paged page size ~42.4 us at 1 x 32k against the
-    # contiguous 38.6, after the page-table entries moved to shared memory). Session 19 (paged rule's split
-    # counts): 4 chunks slower everywhere (1 x 32k contiguous 40.4 vs 38.3, 16 x 8k paged +15 us), 2 chunks
-    # level contiguous and 1 x 32k, 16 x 8k paged -2 us; at 16 splits instead of the paged rule's 33, 4
-    # chunks gained 3-6 us on every paged 1 x 32k row.
-    "2 chunks per thread": dict(copy_chunks=2),
-    "contiguous splits": dict(splits="contiguous"),  # a paged cache split as a contiguous one would be
-    "2 chunks, contiguous splits": dict(copy_chunks=2, splits="contiguous"),
-    "4 chunks, contiguous splits": dict(copy_chunks=4, splits="contiguous"),
+    # copies instead of once per chunk. Session 19 (before the table took 2 / 4 chunks for paged caches
+    # at d = 128 / 256 and dropped the paged split rule there; heuristics.DECODE_TILES has the numbers): 4
+    # chunks slower everywhere at d = 128 (1 x 32k contiguous 40.4 vs 38.3, 16 x 8k paged +15 us at the
+    # paged rule's 2 splits), 2 chunks level contiguous and ~2 us faster paged; split like a contiguous
+    # cache, 2 chunks gained 2-4 us on every paged 1 x 32k row.
+    "4 chunks per thread": dict(copy_chunks=4),
+    "contiguous splits": dict(splits="contiguous"),  # (where the table keeps the paged rule: d = 64)
+    # more bytes in flight per block: whether small pages (whose rows are spread over the whole cache:
+    # more address-translation misses than in a contiguous cache) want deeper rings than contiguous ones
+    "4 stages": dict(stages=4),
+    "5 stages": dict(stages=5),
 }
 
 

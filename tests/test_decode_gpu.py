@@ -132,6 +132,19 @@ def test_copy_chunks(poison_allocations, monkeypatch, copy_chunks, page_size, d)
     _run(args, num_splits=3)
 
 
+@pytest.mark.parametrize("batch", [3, 80])
+def test_paged_ring_depth_by_grid(poison_allocations, batch):
+    """A paged cache's ring at d = 128 is deeper when the grid has at most one block per SM
+    (decode.fwd_stages): 3 entries x 2 KV heads take that variant, 80 x 2 (more blocks than any GPU here
+    has SMs) the table's."""
+    from cuflash import decode
+
+    assert decode.fwd_stages(128, True, one_wave=True) != decode.fwd_stages(128, True, one_wave=False)
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=True, page_size=1, b=batch, sq=1, h=8, hkv=2,
+                   d=128, lens=tuple(37 * i % 400 for i in range(batch)), new=1)
+    _run(args, num_splits=1)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("sq,new", [(4, 4), (7, 7), (5, 2), (3, 0)])
 @pytest.mark.parametrize("num_splits", [1, 5])
