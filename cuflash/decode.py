@@ -176,7 +176,7 @@ def fwd_variant(headdim: int, dtype: str, paged: bool, one_wave: bool = False, m
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", stages),
          ("CUFLASH_COPY_CHUNKS", t.paged_copy_chunks if paged else t.copy_chunks),
          ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
-        threads=t.block_n // 16 * 32, smem_bytes=fwd_smem_bytes(headdim, stages, t.block_n),
+        threads=fwd_threads(headdim, max_smem), smem_bytes=fwd_smem_bytes(headdim, stages, t.block_n),
     )
 
 
