@@ -42,3 +42,14 @@ def device_properties(device: int = 0) -> dict:
     import cupy
 
     return cupy.cuda.runtime.getDeviceProperties(device)
+
+
+# Shared memory one thread block may take (dynamic + static, with the opt-in attribute), by arch: what a
+# kernel family's tiles must fit (the compile check uses these; at run time the device's own value counts).
+ARCH_SMEM_PER_BLOCK = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376, "sm_90": 232448,
+                       "sm_90a": 232448, "sm_100": 232448, "sm_120": 101376}
+
+
+def max_smem_per_block(device: int = 0) -> int:
+    """Bytes of shared memory a block of this device may use (cudaDevAttrMaxSharedMemoryPerBlockOptin)."""
+    return int(device_properties(device)["sharedMemPerBlockOptin"])

@@ -318,6 +318,20 @@ def clear_memo() -> None:
 _loaded: dict[tuple[Variant, int], object] = {}
 
 
+def _check_smem(variant: Variant, fn, dev: int) -> None:
+    """A clear error where ``variant`` needs more shared memory per block than the device has (the tables
+    choose tiles that fit each arch: _device.ARCH_SMEM_PER_BLOCK; this guards the rest)."""
+    from cupy_backends.cuda.api import driver
+
+    from ._device import arch_for_device, max_smem_per_block
+
+    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+    limit = max_smem_per_block(dev)
+    if variant.smem_bytes + static > limit:
+        raise RuntimeError(f"kernel {variant.name} needs {variant.smem_bytes + static} bytes of shared memory per "
+                           f"thread block; this GPU ({arch_for_device(dev)}) allows {limit}")
+
+
 def get_function(variant: Variant):
     """The ``cupy.cuda.function.Function`` of ``variant`` on the current device, ready to launch."""
     import cupy
@@ -333,6 +347,7 @@ def get_function(variant: Variant):
     module = cupy.cuda.function.Module()
     module.load(compiled.cubin)
     fn = module.get_function(variant.kernel)  # the Function holds a reference to its module
+    _check_smem(variant, fn, dev)
     if variant.smem_bytes > 48 * 1024:
         driver.funcSetAttribute(
             fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, variant.smem_bytes

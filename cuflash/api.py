@@ -481,8 +481,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     import cupy
 
     from . import decode
-    from ._device import compute_capability, device_properties
-    from .heuristics import DECODE_MAX_SPLITS, DECODE_TILES, decode_num_splits
+    from ._device import compute_capability, device_properties, max_smem_per_block
+    from .heuristics import DECODE_MAX_SPLITS, decode_num_splits
 
     named = _kv_arrays(q, k_cache, v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, rotary_cos, rotary_sin)
     named += [(n, a) for n, a in (("out", out), ("workspace", workspace)) if a is not None]
@@ -519,8 +519,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             raise ValueError(f"flash_attn_with_kvcache cannot run this call: {why}")
         mb = decode.m_blocks(dims)
         num_sms = device_properties(call.device.id)["multiProcessorCount"]
+        max_smem = max_smem_per_block(call.device.id)
         if splits == 0:
-            tiles = DECODE_TILES[dims.headdim]
+            tiles = decode.tiles(dims.headdim, max_smem)
             splits = decode_num_splits(dims.batch, dims.kv_heads, mb, max_keys, tiles.block_n, num_sms,
                                        paged=dims.paged and tiles.paged_rule,
                                        page_size=dims.page_size if dims.paged else None)
@@ -559,7 +560,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             lse_part = buffer("lse_partial", (splits, dims.batch, dims.heads, dims.seqlen_q), cupy.float32)
         decode.forward(qa if q_rot is None else q_rot, arr["k_cache"], arr["v_cache"], out_arr, lse, seqlens_dev, pt,
                        cbi, dims, window, scale, softcap, splits, num_sms, call.stream, o_partial=o_part,
-                       lse_partial=lse_part)
+                       lse_partial=lse_part, max_smem=max_smem)
         result = out if out is not None else call.wrap(out_arr)
         return (result, call.wrap(lse)) if return_softmax_lse else result
 
@@ -585,7 +586,7 @@ def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, p
     page_size); with ``check=True`` max(cache_seqlens) + seqlen_new, never more than the capacity, and the
     count never grows with fewer keys: the capacity's count bounds both (size workspaces with it)."""
     from . import decode
-    from ._device import device_id, device_properties
+    from ._device import device_id, device_properties, max_smem_per_block
     from .heuristics import DECODE_TILES, decode_num_splits
 
     if headdim not in DECODE_TILES:
@@ -595,13 +596,15 @@ def kvcache_num_splits(batch, heads, kv_heads, seqlen_q, headdim, max_keys, *, p
         raise ValueError(f"kvcache_num_splits: need batch, heads, kv_heads, seqlen_q >= 1 with heads a multiple of "
                          f"kv_heads and max_keys >= 0; got {batch}, {heads}, {kv_heads}, {seqlen_q}, {max_keys}")
     dims = _validate.KvDims(batch, seqlen_q, heads, kv_heads, headdim, "bfloat16", 0, False, 0, batch, max_keys)
-    sms = device_properties(device_id() if device is None else device)["multiProcessorCount"]
+    dev = device_id() if device is None else device
+    sms = device_properties(dev)["multiProcessorCount"]
     if not isinstance(paged, bool):
         raise TypeError(f"paged must be a bool; got {type(paged).__name__}")
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         raise ValueError(f"page_size must be a positive int or None; got {page_size!r}")
-    return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, DECODE_TILES[headdim].block_n, sms,
-                             paged=paged and DECODE_TILES[headdim].paged_rule, page_size=page_size)
+    tiles = decode.tiles(headdim, max_smem_per_block(dev))
+    return decode_num_splits(batch, kv_heads, decode.m_blocks(dims), max_keys, tiles.block_n, sms,
+                             paged=paged and tiles.paged_rule, page_size=page_size)
 
 
 def kvcache_workspace_bytes(batch, heads, seqlen_q, headdim, num_splits, *, dtype="bfloat16", rotary=False,

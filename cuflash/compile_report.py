@@ -27,7 +27,7 @@ VARIANT_SOURCES = {
     "fa2": fa2.all_variants,
     "fa3": fa3.all_variants,
     "bwd_aux": lambda arch: _bwd_aux.all_variants(sorted(set(fa1.HEADDIMS) | set(fa2.HEADDIMS))),
-    "decode": lambda arch: decode.all_variants(),  # 12 attention + 4 append/rotary + 3 combine
+    "decode": decode.all_variants,  # 14 attention (tiles fitted to the arch) + 4 append/rotary + 3 combine
     "fp8": fp8.all_variants,  # quantisation to e4m3 (sm_89 and newer): 2 dtypes x 3 head dims x rotation on/off
 }
 

@@ -23,7 +23,8 @@ import numpy as np
 from ._jit import Variant, launch, launch_dependent
 from ._params import DTYPE_CODES, pointer_fields, stride_fields
 from ._validate import KvDims
-from .heuristics import DECODE_BLOCK_M, DECODE_TILES
+from ._device import ARCH_SMEM_PER_BLOCK
+from .heuristics import DECODE_BLOCK_M, DECODE_TILES, DECODE_TILES_SMALL_SMEM, DecodeTiles
 
 FAMILY = "decode"
 HEADDIMS = tuple(sorted(DECODE_TILES))
@@ -132,32 +133,50 @@ def carve(ws, layout, q_dtype) -> dict:
             for name, offset, shape, dt in layout}
 
 
-def fwd_stages(headdim: int, paged: bool, one_wave: bool) -> int:
-    """The cp.async ring's depth: heuristics.DecodeTiles.paged_wave_stages for a paged cache whose grid
-    is at most one block per SM, else the table's stages."""
+# Static shared memory of decode_fwd beside its dynamic ring, at most (warp maxima and sums, the paged ring of
+# page-table entries: 2.5 KB at 4 stages of 64 keys): counted when tiles are fitted to a device's limit.
+STATIC_SMEM_BOUND = 4096
+
+
+def tiles(headdim: int, max_smem: int | None = None) -> DecodeTiles:
+    """heuristics.DECODE_TILES' row for ``headdim``, or DECODE_TILES_SMALL_SMEM's where that needs more
+    than ``max_smem`` bytes of shared memory per block (sm_86 / sm_89: 99 KB)."""
     t = DECODE_TILES[headdim]
-    return t.paged_wave_stages if paged and one_wave and t.paged_wave_stages else t.stages
+    if max_smem is not None and fwd_smem_bytes(headdim, t.stages, t.block_n) + STATIC_SMEM_BOUND > max_smem:
+        return DECODE_TILES_SMALL_SMEM.get(headdim, t)
+    return t
 
 
-def fwd_smem_bytes(headdim: int, stages: int) -> int:
-    return DECODE_BLOCK_M * headdim * 2 + 2 * stages * DECODE_TILES[headdim].block_n * headdim * 2
+def fwd_stages(headdim: int, paged: bool, one_wave: bool, max_smem: int | None = None) -> int:
+    """The cp.async ring's depth: DecodeTiles.paged_wave_stages for a paged cache whose grid is at most
+    one block per SM (where it fits ``max_smem``), else the tiles' stages."""
+    t = tiles(headdim, max_smem)
+    deep = t.paged_wave_stages if paged and one_wave else 0
+    if deep and (max_smem is None or fwd_smem_bytes(headdim, deep, t.block_n) + STATIC_SMEM_BOUND <= max_smem):
+        return deep
+    return t.stages
 
 
-def fwd_threads(headdim: int) -> int:
+def fwd_smem_bytes(headdim: int, stages: int, block_n: int) -> int:
+    return DECODE_BLOCK_M * headdim * 2 + 2 * stages * block_n * headdim * 2
+
+
+def fwd_threads(headdim: int, max_smem: int | None = None) -> int:
     """decode_fwd's block: one warp per 16 keys of a tile."""
-    return DECODE_TILES[headdim].block_n // 16 * 32
+    return tiles(headdim, max_smem).block_n // 16 * 32
 
 
-def fwd_variant(headdim: int, dtype: str, paged: bool, one_wave: bool = False) -> Variant:
-    """``one_wave``: the grid has at most one block per SM (fwd_stages)."""
-    t = DECODE_TILES[headdim]
-    stages = fwd_stages(headdim, paged, one_wave)
+def fwd_variant(headdim: int, dtype: str, paged: bool, one_wave: bool = False, max_smem: int | None = None) -> Variant:
+    """``one_wave``: the grid has at most one block per SM (fwd_stages). ``max_smem``: the device's shared
+    memory per block (tiles)."""
+    t = tiles(headdim, max_smem)
+    stages = fwd_stages(headdim, paged, one_wave, max_smem)
     return Variant(
         FAMILY, "decode/fwd.cu", "decode_fwd",
         (("CUFLASH_HEADDIM", headdim), ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_STAGES", stages),
          ("CUFLASH_COPY_CHUNKS", t.paged_copy_chunks if paged else t.copy_chunks),
          ("CUFLASH_PAGED", int(paged)), ("CUFLASH_DTYPE", DTYPE_CODES[dtype])),
-        threads=fwd_threads(headdim), smem_bytes=fwd_smem_bytes(headdim, stages),
+        threads=fwd_threads(headdim, max_smem), smem_bytes=fwd_smem_bytes(headdim, stages, t.block_n),
     )
 
 
@@ -171,10 +190,12 @@ def combine_variant(out_dtype: str) -> Variant:
                    threads=AUX_THREADS)
 
 
-def all_variants() -> list[Variant]:
-    out = [fwd_variant(d, dtype, paged) for dtype in DTYPE_CODES for d in HEADDIMS for paged in (False, True)]
-    out += [fwd_variant(d, dtype, True, one_wave=True) for dtype in DTYPE_CODES for d in HEADDIMS
-            if DECODE_TILES[d].paged_wave_stages]
+def all_variants(arch: str = "sm_80") -> list[Variant]:
+    """The variants a GPU of ``arch`` runs (tiles fitted to its shared memory: _device.ARCH_SMEM_PER_BLOCK)."""
+    max_smem = ARCH_SMEM_PER_BLOCK.get(arch)
+    fwd = {fwd_variant(d, dtype, paged, one_wave, max_smem): None for dtype in DTYPE_CODES for d in HEADDIMS
+           for paged in (False, True) for one_wave in (False, True)}
+    out = list(fwd)
     out += [append_variant(k, dtype) for dtype in DTYPE_CODES for k in ("kv_append", "q_rotary")]
     out += [combine_variant(t) for t in COMBINE_DTYPE_CODES]
     return out
@@ -242,13 +263,14 @@ def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_ba
 
 def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batch_idx, dims: KvDims,
             window: tuple[int, int], scale: float, softcap: float, num_splits: int, num_sms: int, stream, *,
-            o_partial=None, lse_partial=None) -> None:
+            o_partial=None, lse_partial=None, max_smem: int | None = None) -> None:
     """Attention of q over the cache (which already holds the new tokens). ``num_splits == 1`` writes
     ``out``/``lse`` directly; otherwise the kernel writes ``o_partial`` (num_splits, batch, seqlen_q,
     heads, d) and ``lse_partial`` (num_splits, batch, heads, seqlen_q), fp32 scratch, and the combine
-    kernel merges them into out/lse. ``num_sms``: the device's SM count (fwd_stages)."""
+    kernel merges them into out/lse. ``num_sms``, ``max_smem``: the device's SM count (fwd_stages) and
+    shared memory per block (tiles)."""
     grid = (num_splits * m_blocks(dims), dims.kv_heads, dims.batch)
-    variant = fwd_variant(dims.headdim, dims.dtype, dims.paged, one_wave=math.prod(grid) <= num_sms)
+    variant = fwd_variant(dims.headdim, dims.dtype, dims.paged, math.prod(grid) <= num_sms, max_smem)
     f = {name: _ptr(a) for name, a in (
         ("q", q), ("k", k_cache), ("v", v_cache), ("o", out), ("lse", lse), ("o_partial", o_partial),
         ("lse_partial", lse_partial), ("cache_seqlens", cache_seqlens), ("page_table", page_table),

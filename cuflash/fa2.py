@@ -11,12 +11,13 @@ import itertools
 import numpy as np
 
 from . import _bwd_aux
-from ._device import compute_capability, device_id
+from ._device import ARCH_SMEM_PER_BLOCK, compute_capability, device_id, max_smem_per_block
 from ._jit import Variant, launch
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, smem_tile_bytes, stride_fields)
 from ._validate import Dims
-from .heuristics import FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_BWD_TILES_PLAIN_SM90, FA2_TILES
+from .heuristics import (FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_BWD_TILES_PLAIN_SM90, FA2_BWD_TILES_SMALL_SMEM,
+                         FA2_TILES)
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
@@ -84,25 +85,36 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
     )
 
 
-def bwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False, sm90: bool = False):
+def bwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False, sm90: bool = False,
+              max_smem: int | None = None):
     """The tiles of a backward variant: when no feature needs extra registers, FA2_BWD_TILES_PLAIN_SM90's
-    row on sm_90 (``sm90``), else FA2_BWD_TILES_PLAIN's; otherwise FA2_BWD_TILES's."""
+    row on sm_90 (``sm90``), else FA2_BWD_TILES_PLAIN's; otherwise FA2_BWD_TILES's -- and
+    FA2_BWD_TILES_SMALL_SMEM's where that row needs more than ``max_smem`` bytes of shared memory per
+    block (sm_86 / sm_89: 99 KB)."""
+    t = FA2_BWD_TILES[headdim]
     if not (softcap or alibi or dropout):
         if sm90 and headdim in FA2_BWD_TILES_PLAIN_SM90:
-            return FA2_BWD_TILES_PLAIN_SM90[headdim]
-        if headdim in FA2_BWD_TILES_PLAIN:
-            return FA2_BWD_TILES_PLAIN[headdim]
-    return FA2_BWD_TILES[headdim]
+            t = FA2_BWD_TILES_PLAIN_SM90[headdim]
+        elif headdim in FA2_BWD_TILES_PLAIN:
+            t = FA2_BWD_TILES_PLAIN[headdim]
+    if max_smem is not None and bwd_smem_bytes(headdim, t) > max_smem and headdim in FA2_BWD_TILES_SMALL_SMEM:
+        t = FA2_BWD_TILES_SMALL_SMEM[headdim]
+    return t
+
+
+def bwd_smem_bytes(headdim: int, t) -> int:
+    """Dynamic shared memory of a backward block with tiles ``t``: K, V, the Q / dO stages, P, dS, and the
+    stages' LSE and D rows."""
+    sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
+    return (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
+            + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n) + 2 * t.q_stages * t.block_m * 4)
 
 
 def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False,
-                sm90: bool = False) -> Variant:
+                sm90: bool = False, max_smem: int | None = None) -> Variant:
     """The deterministic mode is a run-time choice of the same variant (a dQ semaphore array or none).
-    ``sm90``: the variant a Hopper GPU runs (bwd_tiles)."""
-    t = bwd_tiles(headdim, softcap, alibi, dropout, sm90)
-    sw_d, sw_n = headdim % 64 == 0, t.block_n % 64 == 0
-    smem = (2 * smem_tile_bytes(t.block_n, headdim, sw_d) + 2 * t.q_stages * smem_tile_bytes(t.block_m, headdim, sw_d)
-            + 2 * smem_tile_bytes(t.block_m, t.block_n, sw_n) + 2 * t.q_stages * t.block_m * 4)  # + LSE, D rows
+    ``sm90``, ``max_smem``: the GPU it runs on (bwd_tiles)."""
+    t = bwd_tiles(headdim, softcap, alibi, dropout, sm90, max_smem)
     return Variant(
         FAMILY,
         "fa2/bwd.cu",
@@ -113,19 +125,20 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = F
          ("CUFLASH_Q_SPLIT", t.q_split))
         + _feature_defines(dtype, softcap, alibi, dropout),
         threads=t.warps * 32,
-        smem_bytes=smem,
+        smem_bytes=bwd_smem_bytes(headdim, t),
     )
 
 
 def all_variants(arch: str = "sm_80") -> list[Variant]:
-    """The variants a GPU of ``arch`` runs (the backward's plain tiles differ on sm_90)."""
-    sm90 = arch.startswith("sm_90")
+    """The variants a GPU of ``arch`` runs (the backward's plain tiles differ on sm_90, and where a block
+    has less shared memory: _device.ARCH_SMEM_PER_BLOCK)."""
+    sm90, max_smem = arch.startswith("sm_90"), ARCH_SMEM_PER_BLOCK.get(arch)
     out = []
     for dtype in DTYPE_CODES:
         for d in HEADDIMS:
             for softcap, alibi, dropout in itertools.product((False, True), repeat=3):
                 out.append(fwd_variant(d, dtype, softcap, alibi, dropout))
-                out.append(bwd_variant(d, dtype, softcap, alibi, dropout, sm90))
+                out.append(bwd_variant(d, dtype, softcap, alibi, dropout, sm90, max_smem))
     return out
 
 
@@ -185,9 +198,10 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum, _aux_dims(dims, q, cu_q), scale, stream)
 
     features = (softcap > 0, alibi_slopes is not None, dropout is not None)
-    sm90 = compute_capability(device_id())[0] == 9
-    t = bwd_tiles(dims.headdim, *features, sm90)
-    variant = bwd_variant(dims.headdim, dims.dtype, *features, sm90)
+    dev = device_id()
+    sm90, max_smem = compute_capability(dev)[0] == 9, max_smem_per_block(dev)
+    t = bwd_tiles(dims.headdim, *features, sm90, max_smem)
+    variant = bwd_variant(dims.headdim, dims.dtype, *features, sm90, max_smem)
     q_blocks = (dims.seqlen_q + t.block_m - 1) // t.block_m
     semaphore = cupy.zeros((dims.batch, dims.heads, q_blocks), dtype=cupy.int32) if deterministic else None
     p = np.zeros(1, BWD_PARAMS)

@@ -131,6 +131,19 @@ FA2_BWD_TILES_PLAIN_SM90 = {
 }
 
 
+# ... and on GPUs that give a block at most 99 KB of shared memory (sm_86, sm_89: _device.ARCH_SMEM_PER_BLOCK),
+# where the rows above do not fit (d = 128 113 KB, d = 192 161 KB, d = 256 107 KB): one Q / dO stage at
+# d = 128 (80.5 KB), blocks of 32 keys at d = 192 (80.5 KB), of 16 keys with 4 warps at d = 256 (84.5 KB;
+# 8 warps cannot split a 64 x 16 S tile into 16 x 16 blocks). fa2.bwd_tiles takes them where the device's
+# limit (or the arch's, for the compile check) is below the row's need. Compile-checked for sm_86 (no
+# spills in any feature variant); not timed: no such GPU here.
+FA2_BWD_TILES_SMALL_SMEM = {
+    128: Fa2BwdTiles(64, 64, 8, 1, warps_s_m=2, warps_kv_n=4, warps_q_m=2),
+    192: Fa2BwdTiles(64, 32, 8, 1, warps_s_m=4, warps_kv_n=2, warps_q_m=4, q_split=2),
+    256: Fa2BwdTiles(64, 16, 4, 1, warps_s_m=4, warps_kv_n=1, warps_q_m=4, q_split=4),
+}
+
+
 @dataclass(frozen=True)
 class Fa3Tiles:
     block_n: int  # keys per K/V tile
@@ -327,6 +340,12 @@ DECODE_TILES = {
     64: DecodeTiles(block_n=64, stages=4),
     128: DecodeTiles(block_n=64, stages=3, paged_copy_chunks=2, paged_rule=False, paged_wave_stages=4),
     256: DecodeTiles(block_n=64, stages=2, paged_copy_chunks=4, paged_rule=False),
+}
+# ... and where a block gets at most 99 KB of shared memory (sm_86, sm_89; cuflash.decode.tiles): d = 128 in
+# two stages (68 KB), d = 256 in tiles of 32 keys (two warps; 72 KB). Compile-checked for sm_86, not timed.
+DECODE_TILES_SMALL_SMEM = {
+    128: DecodeTiles(block_n=64, stages=2, paged_copy_chunks=2, paged_rule=False),
+    256: DecodeTiles(block_n=32, stages=2, paged_copy_chunks=4, paged_rule=False),
 }
 DECODE_BLOCK_M = 16  # query rows per thread block (one m16 MMA tile)
 DECODE_MAX_SPLITS = 128  # the combine reads every split's partial O: past this the merge costs more than it buys

@@ -173,7 +173,7 @@ def test_path_and_chunk_through_the_public_function(monkeypatch, q, pk, chunk):
         raise _ReachedKernel("cascade.merge_prefix_and_suffix")
 
     monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
-    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132, "sharedMemPerBlockOptin": 232448})
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
     cache = spec((q[0], 64) + pk[1:])
     with pytest.raises(_ReachedKernel):
@@ -289,7 +289,7 @@ def _merge_is_a_kernel(monkeypatch):
         raise _ReachedKernel("cascade.merge_prefix_and_suffix")
 
     monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
-    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132, "sharedMemPerBlockOptin": 232448})
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
 
 

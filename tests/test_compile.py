@@ -202,3 +202,38 @@ def test_fp8_converts_with_the_e4m3_instruction(report):
     assert len(fp8_rows) == 12
     for r in fp8_rows:
         assert r["opcodes"]["F2FP.SATFINITE.E4M3"] > 0, r["name"]
+
+
+def test_every_variant_fits_its_arch_shared_memory(report):
+    """Dynamic + static shared memory of every variant within what a block of that arch may take
+    (_device.ARCH_SMEM_PER_BLOCK): none fails at launch for want of it."""
+    from cuflash._device import ARCH_SMEM_PER_BLOCK
+
+    arch, _, rows, _ = report
+    over = [(r["name"], r["dynamic_smem"] + r["static_smem"]) for r in rows
+            if r["dynamic_smem"] + r["static_smem"] > ARCH_SMEM_PER_BLOCK[arch]]
+    assert not over, f"{arch}: over {ARCH_SMEM_PER_BLOCK[arch]} bytes: {over}"
+
+
+@pytest.mark.parametrize("arch", ["sm_86", "sm_89"])
+def test_small_shared_memory_gpus_get_tiles_that_fit(arch):
+    """sm_86 / sm_89 give a block 99 KB: the FA2 backward (FA2_BWD_TILES_SMALL_SMEM) and decode
+    (DECODE_TILES_SMALL_SMEM) take smaller tiles there, so every variant those GPUs run fits (decode's
+    static shared memory bounded by decode.STATIC_SMEM_BOUND; FA1 / FA2 have none), and the small rows
+    compile without spills (their plain variants here; every feature variant was checked by hand)."""
+    from cuflash import decode, fa2
+    from cuflash._device import ARCH_SMEM_PER_BLOCK
+
+    limit = ARCH_SMEM_PER_BLOCK[arch]
+    variants = compile_report.all_variants(arch)
+    over = [(v.name, v.smem_bytes) for v in variants
+            if v.smem_bytes + (decode.STATIC_SMEM_BOUND if v.family == "decode" else 0) > limit]
+    assert not over, f"{arch}: over {limit} bytes: {over}"
+    small = [fa2.bwd_variant(d, "bfloat16", max_smem=limit) for d in heuristics.FA2_BWD_TILES_SMALL_SMEM]
+    small += [decode.fwd_variant(d, "bfloat16", paged, max_smem=limit) for d in heuristics.DECODE_TILES_SMALL_SMEM
+              for paged in (False, True)]
+    assert all(v in variants for v in small)
+    rows = compile_report.compile_variants(small, arch)
+    bad = {r["name"]: compile_report.problems(r) for r in rows if compile_report.problems(r)}
+    assert not bad, bad
+    assert all(r["dynamic_smem"] + r["static_smem"] <= limit for r in rows)

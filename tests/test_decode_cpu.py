@@ -324,7 +324,7 @@ def spec_env(monkeypatch):
     state = {"cc": GOOD_CC, "launches": []}
     monkeypatch.setattr(api, "Call", _SpecCall)
     monkeypatch.setattr(_device, "compute_capability", lambda device=0: state["cc"])
-    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132, "sharedMemPerBlockOptin": 232448})
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
 
     def record(name, reach):

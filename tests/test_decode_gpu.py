@@ -132,6 +132,35 @@ def test_copy_chunks(poison_allocations, monkeypatch, copy_chunks, page_size, d)
     _run(args, num_splits=3)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("d", [128, 256])
+def test_tiles_for_99_kb_gpus(poison_allocations, monkeypatch, paged, d):
+    """The decode tiles of GPUs with 99 KB of shared memory per block (DECODE_TILES_SMALL_SMEM: two
+    stages at d = 128, 32-key tiles of two warps at d = 256), run here by telling the call the device has
+    that much: ragged lengths, unsplit and split."""
+    from cuflash import _device, decode
+
+    monkeypatch.setattr(_device, "max_smem_per_block", lambda device=0: 101376)
+    assert decode.fwd_variant(d, "bfloat16", paged, max_smem=101376).smem_bytes + decode.STATIC_SMEM_BOUND <= 101376
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=paged, page_size=16, b=3, sq=2, h=8, hkv=2, d=d,
+                   lens=(0, 150, 1000), new=1)
+    for num_splits in (1, 3):
+        _run(args, num_splits=num_splits, causal=True)
+
+
+def test_shared_memory_beyond_the_device_is_a_clear_error(monkeypatch):
+    """A kernel that needs more shared memory per block than the device has is refused with the numbers
+    (cuflash._jit), not by a driver error at launch."""
+    from cuflash import _device, _jit
+
+    monkeypatch.setattr(_device, "max_smem_per_block", lambda device=0: 48 * 1024)
+    monkeypatch.setattr(_jit, "_loaded", {})
+    args = _inputs(np.random.default_rng(), dtype="bfloat16", paged=False, page_size=0, b=1, sq=1, h=8, hkv=2, d=256,
+                   lens=(100,), new=0)
+    with pytest.raises(RuntimeError, match="bytes of shared memory per thread block; this GPU"):
+        _run(args, num_splits=1)
+
+
 @pytest.mark.parametrize("batch", [3, 80])
 def test_paged_ring_depth_by_grid(poison_allocations, batch):
     """A paged cache's ring at d = 128 is deeper when the grid has at most one block per SM

@@ -261,3 +261,27 @@ def test_dropout_reproducible_by_seed():
     c = cuflash.flash_attn_func(q, k, v, dropout_p=0.3, dropout_seed=43, impl="fa2")
     assert bool((a.view("uint16") == b.view("uint16")).all())
     assert not bool((a.view("uint16") == c.view("uint16")).all())
+
+
+SMALL_SMEM = 101376  # a block's shared memory on sm_86 / sm_89
+
+
+@pytest.mark.parametrize("d", sorted(cuflash.heuristics.FA2_BWD_TILES_SMALL_SMEM))
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_tiles_for_99_kb_gpus(poison_allocations, monkeypatch, d, causal):
+    """The backward tiles of GPUs with 99 KB of shared memory per block (FA2_BWD_TILES_SMALL_SMEM: one
+    Q / dO stage at d = 128, 32 and 16 keys per block at d = 192 / 256), run here by telling fa2 the
+    device has that much: odd lengths both ways, GQA, softcap and ALiBi, the deterministic mode."""
+    import cupy
+
+    from cuflash import fa2
+
+    monkeypatch.setattr(fa2, "max_smem_per_block", lambda device=0: SMALL_SMEM)
+    assert fa2.bwd_variant(d, "bfloat16", max_smem=SMALL_SMEM).smem_bytes <= SMALL_SMEM
+    rng = np.random.default_rng()
+    for seqlens in ((113, 239), (239, 113)):
+        q, k, v = _inputs(rng, 2, *seqlens, 6, 2, d, "bfloat16")
+        _check_backward(q, k, v, causal)
+    slopes = cupy.asarray(2.0 ** (-8.0 * np.arange(1, 7) / 6), dtype=cupy.float32)
+    _check_backward(q, k, v, causal=causal, softcap=6.0, alibi_slopes=slopes)
+    _check_backward(q, k, v, causal=causal, deterministic=True)

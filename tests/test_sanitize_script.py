@@ -336,7 +336,7 @@ def test_cascade_case_is_a_call_the_api_accepts(monkeypatch, c):
     monkeypatch.setattr(cascade, "Call", _SpecCall)
     monkeypatch.setattr(cascade, "merge_prefix_and_suffix", merge)
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
-    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132})
+    monkeypatch.setattr(_device, "device_properties", lambda device=0: {"multiProcessorCount": 132, "sharedMemPerBlockOptin": 232448})
     host = DRIVER._cascade_inputs(c, np.random.default_rng(0))
     args = {n: None if host[n] is None else vals(host[n].tolist()) if host[n].dtype == np.int32
             else spec(host[n].shape, "bfloat16") for n in DRIVER.CASCADE_ARGS}
