@@ -1175,6 +1175,29 @@ def measure_decode(suite: Suite, case: DecodeCase, impl: str, page_size: int, cf
 CASCADE_HEADDIM = 128
 
 
+def cascade_inputs(batch: int, prefix: int, suffix: int, dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """The cascade case's arrays (d = 128, the decode suite's heads, Sq = 1): q, the shared prefix_k /
+    prefix_v (prefix, kv_heads, d), each request's suffix_k / suffix_v and their lengths ``lens``, and the
+    unshared form: concat_k / concat_v (batch, prefix + suffix, kv_heads, d), each request's own copy of
+    the prefix followed by its suffix, with concat_lens."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    h, hkv, d = DECODE_HEADS, DECODE_KV_HEADS, CASCADE_HEADDIM
+
+    def rand(*dims):
+        return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
+
+    x = {"q": rand(batch, 1, h, d), "prefix_k": rand(prefix, hkv, d), "prefix_v": rand(prefix, hkv, d),
+         "suffix_k": rand(batch, suffix, hkv, d), "suffix_v": rand(batch, suffix, hkv, d),
+         "lens": cupy.full((batch,), suffix, dtype=cupy.int32)}
+    for name in ("k", "v"):
+        shared = cupy.broadcast_to(x[f"prefix_{name}"], (batch, prefix, hkv, d))
+        x[f"concat_{name}"] = cupy.concatenate([shared, x[f"suffix_{name}"]], axis=1)
+    x["concat_lens"] = x["lens"] + prefix
+    return x
+
+
 def measure_cascade(suite: Suite, cfg, env: dict) -> list[dict]:
     """The cascade case (``cfg.cascade`` = batch, prefix, suffix; d = 128, Sq = 1, the decode suite's heads):
     ``cuflash.cascade_attention`` over a prefix shared by the batch and each request's suffix, against
@@ -1196,24 +1219,12 @@ def measure_cascade(suite: Suite, cfg, env: dict) -> list[dict]:
              "cuflash-decode": f"{case}, each request's prefix copied into its cache (no sharing)"}
     rows, times, error, diff = [], {}, None, None
     try:
-        rng = cupy.random.default_rng(cfg.seed)
-        dtype = DTYPES.get(cfg.dtype, cfg.dtype)
-
-        def rand(*dims):
-            return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
-
-        q = rand(batch, 1, h, d)
-        prefix_k, prefix_v = rand(prefix, hkv, d), rand(prefix, hkv, d)
-        suffix_k, suffix_v = rand(batch, suffix, hkv, d), rand(batch, suffix, hkv, d)
-        lens = cupy.full((batch,), suffix, dtype=cupy.int32)
-        concat_k = cupy.concatenate([cupy.broadcast_to(prefix_k, (batch, prefix, hkv, d)), suffix_k], axis=1)
-        concat_v = cupy.concatenate([cupy.broadcast_to(prefix_v, (batch, prefix, hkv, d)), suffix_v], axis=1)
-        concat_lens = lens + prefix
+        x = cascade_inputs(batch, prefix, suffix, DTYPES.get(cfg.dtype, cfg.dtype), cfg.seed)
         calls = {
-            "cuflash-cascade": lambda: (cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v,
-                                                          cache_seqlens=lens, check=False),),
-            "cuflash-decode": lambda: (flash_attn_with_kvcache(q, concat_k, concat_v, cache_seqlens=concat_lens,
-                                                               check=False),),
+            "cuflash-cascade": lambda: (cascade_attention(x["q"], x["prefix_k"], x["prefix_v"], x["suffix_k"],
+                                                          x["suffix_v"], cache_seqlens=x["lens"], check=False),),
+            "cuflash-decode": lambda: (flash_attn_with_kvcache(x["q"], x["concat_k"], x["concat_v"],
+                                                               cache_seqlens=x["concat_lens"], check=False),),
         }
         outs = {name: fn()[0].astype(cupy.float32) for name, fn in calls.items()}
         diff = float(abs(outs["cuflash-cascade"] - outs["cuflash-decode"]).max())
@@ -1226,7 +1237,7 @@ def measure_cascade(suite: Suite, cfg, env: dict) -> list[dict]:
     except Exception as exc:
         error = "out of memory" if _is_oom(exc) else _error_text(exc)
     finally:
-        q = prefix_k = prefix_v = suffix_k = suffix_v = concat_k = concat_v = calls = None
+        x = calls = None
         free_memory()
     if diff is not None and not math.isfinite(diff):
         error, diff = "output has NaN or inf", None
