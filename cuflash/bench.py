@@ -92,10 +92,11 @@ QUICK_DEFAULTS = dict(headdims=[64, 128], seqlens=[256, 1024], total_tokens=2048
 # every cuflash shape also on paged caches of these page sizes. K/V of the full shapes is 128 MB (1 x 32k)
 # to 1 GiB (128 x 2k); --quick is a smoke run whose caches (16 MB) stay in L2.
 DECODE_HEADS, DECODE_KV_HEADS = 32, 8
+# The cascade case (issue 6): BATCH requests sharing a PREFIX-key prefix, each with SUFFIX keys of its own.
 DECODE_FULL_DEFAULTS = dict(headdims=[128], decode_shapes=[(1, 32768), (16, 8192), (64, 4096), (128, 2048)],
-                            page_sizes=[1, 16, 64, 256], warmup=10, reps=100)
+                            page_sizes=[1, 16, 64, 256], warmup=10, reps=100, cascade=(64, 32768, 512))
 DECODE_QUICK_DEFAULTS = dict(headdims=[128], decode_shapes=[(1, 4096), (8, 1024)], page_sizes=[1, 16, 64, 256],
-                             warmup=2, reps=5)
+                             warmup=2, reps=5, cascade=(4, 1024, 64))
 #: Peers of the decode suite (when importable), in table order.
 DECODE_PEERS = ("torch-cudnn", "torch-flash", "flash_attn", "flashinfer")
 #: The spin kernel queued ahead of the timed decode calls (see ``time_queued``), in milliseconds.
@@ -1171,6 +1172,85 @@ def measure_decode(suite: Suite, case: DecodeCase, impl: str, page_size: int, cf
                     env=env, reps=cfg.reps if ms is not None else None, num_splits=splits, host_us=host_us, note=note)
 
 
+CASCADE_HEADDIM = 128
+
+
+def cascade_inputs(batch: int, prefix: int, suffix: int, dtype: str = "bfloat16", seed: int = 0) -> dict:
+    """The cascade case's arrays (d = 128, the decode suite's heads, Sq = 1): q, the shared prefix_k /
+    prefix_v (prefix, kv_heads, d), each request's suffix_k / suffix_v and their lengths ``lens``, and the
+    unshared form: concat_k / concat_v (batch, prefix + suffix, kv_heads, d), each request's own copy of
+    the prefix followed by its suffix, with concat_lens."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed)
+    h, hkv, d = DECODE_HEADS, DECODE_KV_HEADS, CASCADE_HEADDIM
+
+    def rand(*dims):
+        return rng.standard_normal(dims, dtype=cupy.float32).astype(dtype)
+
+    x = {"q": rand(batch, 1, h, d), "prefix_k": rand(prefix, hkv, d), "prefix_v": rand(prefix, hkv, d),
+         "suffix_k": rand(batch, suffix, hkv, d), "suffix_v": rand(batch, suffix, hkv, d),
+         "lens": cupy.full((batch,), suffix, dtype=cupy.int32)}
+    for name in ("k", "v"):
+        shared = cupy.broadcast_to(x[f"prefix_{name}"], (batch, prefix, hkv, d))
+        x[f"concat_{name}"] = cupy.concatenate([shared, x[f"suffix_{name}"]], axis=1)
+    x["concat_lens"] = x["lens"] + prefix
+    return x
+
+
+def measure_cascade(suite: Suite, cfg, env: dict) -> list[dict]:
+    """The cascade case (``cfg.cascade`` = batch, prefix, suffix; d = 128, Sq = 1, the decode suite's heads):
+    ``cuflash.cascade_attention`` over a prefix shared by the batch and each request's suffix, against
+    ``flash_attn_with_kvcache`` over each request's own copy of prefix + suffix (no sharing). Two rows,
+    GPU time of graph replays and host µs of eager calls as for the decode rows; TB/s counts the K/V
+    bytes of the unshared call for both (the cascade's is an effective rate); the cascade row's
+    speedup_vs["cuflash-decode"] is the ratio, its max_err the largest difference from the unshared
+    call's output."""
+    import cupy
+
+    from .api import flash_attn_with_kvcache
+    from .cascade import cascade_attention
+
+    batch, prefix, suffix = cfg.cascade
+    h, hkv, d = DECODE_HEADS, DECODE_KV_HEADS, CASCADE_HEADDIM
+    shape = Shape(batch, h, hkv, 1, prefix + suffix, d, False, page_size=0)
+    case = f"cascade case: a {prefix}-key prefix shared by {batch} requests, {suffix} keys each of their own"
+    notes = {"cuflash-cascade": f"{case}; TB/s of the unshared K/V bytes",
+             "cuflash-decode": f"{case}, each request's prefix copied into its cache (no sharing)"}
+    rows, times, error, diff = [], {}, None, None
+    try:
+        x = cascade_inputs(batch, prefix, suffix, DTYPES.get(cfg.dtype, cfg.dtype), cfg.seed)
+        calls = {
+            "cuflash-cascade": lambda: (cascade_attention(x["q"], x["prefix_k"], x["prefix_v"], x["suffix_k"],
+                                                          x["suffix_v"], cache_seqlens=x["lens"], check=False),),
+            "cuflash-decode": lambda: (flash_attn_with_kvcache(x["q"], x["concat_k"], x["concat_v"],
+                                                               cache_seqlens=x["concat_lens"], check=False),),
+        }
+        outs = {name: fn()[0].astype(cupy.float32) for name, fn in calls.items()}
+        diff = float(abs(outs["cuflash-cascade"] - outs["cuflash-decode"]).max())
+        outs = None
+        for name, fn in calls.items():
+            host_us = host_overhead_us(fn, min(cfg.warmup, 3), cfg.reps)
+            replay, _, stream = capture_graph(DecodeTimed(fn, "cupy"))
+            with stream:
+                times[name] = (time_queued(replay, cfg.warmup, cfg.reps), host_us)
+    except Exception as exc:
+        error = "out of memory" if _is_oom(exc) else _error_text(exc)
+    finally:
+        x = calls = None
+        free_memory()
+    if diff is not None and not math.isfinite(diff):
+        error, diff = "output has NaN or inf", None
+    for name in ("cuflash-cascade", "cuflash-decode"):
+        ms, host_us = times.get(name, (None, None))
+        rows.append(make_row(suite, name, shape, cfg.dtype, ms=ms, env=env, error=None if ms else error or "not run",
+                             max_err=diff if name == "cuflash-cascade" else None, reps=cfg.reps if ms else None,
+                             host_us=host_us, note=notes[name]))
+    if all(r["ms"] for r in rows):
+        rows[0]["speedup_vs"]["cuflash-decode"] = rows[1]["ms"] / rows[0]["ms"]
+    return rows
+
+
 def add_speedups(rows: list[dict], cuflash_peers=()) -> None:
     """On the cuflash rows of one shape: speed-up over each peer that ran (peer ms / cuflash ms). Peers are
     the other implementations and the cuflash rows named in ``cuflash_peers`` (never a row over itself)."""
@@ -1524,6 +1604,20 @@ def _decode_shape_list(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def _cascade_case(text: str):
+    """"64x32768x512": (batch, prefix keys, suffix keys) of the decode suite's cascade case; "0": none."""
+    if text.strip() == "0":
+        return ()
+    parts = text.lower().replace("×", "x").split("x")
+    try:
+        batch, prefix, suffix = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxPREFIXxSUFFIX like 64x32768x512 (or 0), got {text!r}")
+    if min(batch, prefix, suffix) <= 0:
+        raise argparse.ArgumentTypeError(f"batch, prefix and suffix must be positive, got {text!r}")
+    return batch, prefix, suffix
+
+
 def _impl_list(text: str) -> list[str]:
     """Comma list; a bare cuflash implementation name ("fa1") means "cuflash-fa1"."""
     names = [x.strip() for x in text.split(",") if x.strip()]
@@ -1563,6 +1657,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-sizes", type=_int_list, default=None,
                         help="decode suite: page sizes of cuflash's paged-cache rows, besides the contiguous "
                              "cache (default: 1,16,64,256)")
+    parser.add_argument("--cascade", type=_cascade_case, default=None,
+                        help="decode suite: BATCHxPREFIXxSUFFIX of the cascade case, BATCH requests sharing a "
+                             "PREFIX-key prefix with SUFFIX keys each (d = 128); 0 to leave it out "
+                             "(default: 64x32768x512)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -1768,6 +1866,18 @@ def run(args: argparse.Namespace) -> int:
             rows += group_rows
             if cfg.json:  # after every table, so that a crash later still leaves the finished part
                 write_json(cfg.json, rows)
+
+    if decode and cfg.cascade and "cuflash-decode" in impls:
+        with console.status("the cascade case: a shared prefix against each request's own copy"):
+            cascade_rows = measure_cascade(suite, cfg, env)
+        batch, prefix, suffix = cfg.cascade
+        table = render_table(suite, cascade_rows, f"decode · cascade · {batch} requests sharing a {prefix}-key "
+                             f"prefix, {suffix} keys each · d={CASCADE_HEADDIM} · {cfg.dtype}", ["cuflash-decode"])
+        console.print(table)
+        renderables.append(table)
+        rows += cascade_rows
+        if cfg.json:
+            write_json(cfg.json, rows)
 
     if cfg.svg:
         save_svg(renderables, cfg.svg)

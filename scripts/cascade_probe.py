@@ -15,11 +15,12 @@ import cupy
 import cuflash
 from cuflash import api
 from cuflash._device import device_properties
+from cuflash.bench import DECODE_HEADS as HEADS
+from cuflash.bench import DECODE_KV_HEADS as KV_HEADS
+from cuflash.bench import cascade_inputs
 from cuflash.cascade import merge_prefix_and_suffix
 from cuflash.heuristics import CASCADE_PREFILL_MIN_ROWS, cascade_prefix_chunk
 from decode_probe import replay_us
-
-HEADS, KV_HEADS, D = 32, 8, 128
 
 
 def main():
@@ -30,18 +31,10 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     b, p, s = args.batch, args.prefix, args.suffix
-    rng = cupy.random.default_rng(0)
-
-    def rand(*shape):
-        return rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
-
-    q = rand(b, 1, HEADS, D)
-    prefix_k, prefix_v = rand(p, KV_HEADS, D), rand(p, KV_HEADS, D)
-    suffix_k, suffix_v = rand(b, s, KV_HEADS, D), rand(b, s, KV_HEADS, D)
-    lens = cupy.full((b,), s, dtype=cupy.int32)
-    concat_k = cupy.concatenate([cupy.broadcast_to(prefix_k, (b, p, KV_HEADS, D)), suffix_k], axis=1)
-    concat_v = cupy.concatenate([cupy.broadcast_to(prefix_v, (b, p, KV_HEADS, D)), suffix_v], axis=1)
-    concat_lens = lens + p
+    x = cascade_inputs(b, p, s)
+    q, prefix_k, prefix_v, suffix_k, suffix_v, lens = (x[k] for k in ("q", "prefix_k", "prefix_v", "suffix_k",
+                                                                      "suffix_v", "lens"))
+    concat_k, concat_v, concat_lens = x["concat_k"], x["concat_v"], x["concat_lens"]
 
     def cascade():
         return cuflash.cascade_attention(q, prefix_k, prefix_v, suffix_k, suffix_v, cache_seqlens=lens, check=False)

@@ -437,10 +437,24 @@ def test_decode_run_end_to_end_without_a_gpu(monkeypatch, tmp_path, decode_no_de
     monkeypatch.setattr(bench, "collect_env", lambda: dict(FAKE_ENV))
     monkeypatch.setattr(bench, "measure_ceilings", lambda: dict(ENV["ceilings"]))
     monkeypatch.setattr(bench, "DecodeCase", FakeDecodeCase)
+
+    def fake_cascade(suite, cfg_, env):  # the cascade case's two rows, as measure_cascade makes them
+        batch, prefix, suffix = cfg_.cascade
+        shape = bench.Shape(batch, 32, 8, 1, prefix + suffix, 128, False, page_size=0)
+        rows = [bench.make_row(suite, impl, shape, cfg_.dtype, ms=ms, env=env, host_us=12.5, note="cascade case: x")
+                for impl, ms in (("cuflash-cascade", 0.1), ("cuflash-decode", 1.2))]
+        rows[0]["speedup_vs"]["cuflash-decode"] = 12.0
+        return rows
+
+    monkeypatch.setattr(bench, "measure_cascade", fake_cascade)
     path, svg = tmp_path / "decode.json", tmp_path / "decode.svg"
     assert bench.run(parse("--suite", "decode", "--quick", "--json", str(path), "--svg", str(svg))) == 0
     rows = json.loads(path.read_text())
     quick = cfg("--suite", "decode", "--quick")
+    cascade = rows[-2:]  # after the sweep
+    assert [r["impl"] for r in cascade] == ["cuflash-cascade", "cuflash-decode"]
+    assert cascade[0]["speedup_vs"] == {"cuflash-decode": 12.0}
+    rows = rows[:-2]
     assert len(rows) == len(quick.decode_shapes) * (1 + len(quick.page_sizes) + 1)
     for row in rows:
         assert set(bench.REQUIRED_KEYS) <= set(row)
@@ -849,3 +863,14 @@ def test_header_shows_the_fp8_ceiling_only_when_measured():
         assert needle in fp8, needle
     prefill = header(dict(FAKE_ENV, ceilings=ENV["ceilings"]), "prefill")
     assert "e4m3" not in prefill and "skipped" not in prefill
+
+
+def test_cascade_case_option():
+    """--cascade BATCHxPREFIXxSUFFIX (decode suite; 0 leaves the case out), defaults full and --quick."""
+    assert cfg("--suite", "decode").cascade == (64, 32768, 512)
+    assert cfg("--suite", "decode", "--quick").cascade == (4, 1024, 64)
+    assert cfg("--suite", "decode", "--cascade", "8x2048x128").cascade == (8, 2048, 128)
+    assert cfg("--suite", "decode", "--cascade", "0").cascade == ()
+    for bad in ("64x32768", "0x10x10", "axbxc"):
+        with pytest.raises(SystemExit):
+            parse("--suite", "decode", "--cascade", bad)

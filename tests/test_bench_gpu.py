@@ -76,13 +76,23 @@ def test_time_fn_measures_gpu_work():
 
 def test_decode_quick_writes_json(tmp_path):
     """--suite decode --quick end to end: cuflash on the contiguous cache and every page size, each peer found
-    here on the contiguous cache; the decode keys (page_size, num_splits, host_us, note) in every row."""
+    here on the contiguous cache; the decode keys (page_size, num_splits, host_us, note) in every row; the
+    cascade case (a shared prefix against each request's own copy of it) after them."""
     path = tmp_path / "decode.json"
     assert run_bench("--quick", "--suite", "decode", "--json", str(path)) == 0
     rows = json.loads(path.read_text())
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     quick = bench.resolve(parser.parse_args(["--quick", "--suite", "decode"]))
+    cascade = [r for r in rows if (r["note"] or "").startswith("cascade case")]
+    rows = [r for r in rows if r not in cascade]
+    batch, prefix, suffix = quick.cascade
+    assert [r["impl"] for r in cascade] == ["cuflash-cascade", "cuflash-decode"]
+    for row in cascade:
+        assert (row["batch"], row["seqlen_k"], row["heads"], row["kv_heads"]) == (batch, prefix + suffix, 32, 8)
+        assert row["error"] is None and row["ms"] > 0 and row["tbps"] > 0 and row["host_us"] > 0, row
+    assert cascade[0]["max_err"] is not None and cascade[0]["max_err"] < 0.02, cascade[0]
+    assert cascade[0]["speedup_vs"]["cuflash-decode"] == pytest.approx(cascade[1]["ms"] / cascade[0]["ms"])
     for row in rows:
         missing = set(bench.REQUIRED_KEYS) - set(row)
         assert not missing, (row["impl"], missing)
