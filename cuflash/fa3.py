@@ -166,7 +166,9 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         bn, cols = bwd_block_n(headdim), 256
         kv_bytes, qd_bytes, pds_bytes = bn * cols * 2, BWD_BLOCK_M * cols * 2, bn * BWD_BLOCK_M * 2
         dq_bytes = 2 * BWD_BLOCK_M * (cols // 2) * 4  # per consumer: its 128 columns of dQ in fp32
-        smem = 2 * kv_bytes + 2 * qd_bytes + 2 * pds_bytes + dq_bytes + 2 * BWD_BLOCK_M * 4 + 2 * 2 * 5 * 4 + 8 * 7
+        p_bytes = 4 * bn * BWD_BLOCK_M if not softcap else 16 * 128  # P^T in fp32 between the consumers
+        smem = (2 * kv_bytes + 2 * qd_bytes + 2 * pds_bytes + dq_bytes + p_bytes + 2 * BWD_BLOCK_M * 4 + 2 * 2 * 5 * 4
+                + 8 * 7)
         smem += 2048  # + 1 KB alignment slack
         return Variant(FAMILY, "fa3/bwd_wide.cu", "fa3_bwd_wide", defines + (("CUFLASH_SMEM_BYTES", smem),),
                        threads=THREADS, smem_bytes=smem)

@@ -26,6 +26,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
+  bwd-split-sdp FA3 backward d = 256, N = 2k and 8k, causal and not: bwd_wide.cu's S^T / P^T on consumer 0
+             and dP^T / dS^T on consumer 1 (as built) against both on each for half the queries
   fwd-d64    FA3 forward bf16 d = 64, causal N = 1k, 2k, 4k and non-causal 2k, 8k (causal 2k 0.94 of cuDNN):
              the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
              three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
@@ -40,7 +42,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv] [bwd-split-sdp]
         [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -131,6 +133,7 @@ def as_is():
 BF16_HEADDIMS = (64, 128, 256)
 NO_DQ_ADD = (("CUFLASH_PROBE_NO_DQ_ADD", 1),)
 DKV_FROM_REGISTERS = (("CUFLASH_STORE_DKV_TMA", 0),)
+SDP_PER_CONSUMER = (("CUFLASH_SPLIT_SDP", 0),)
 
 
 def list_variants() -> list:
@@ -145,6 +148,8 @@ def list_variants() -> list:
     with bwd_defines(*DKV_FROM_REGISTERS):
         out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128, 256)]
     out += [fa3.bwd_variant(64, "bfloat16", block_m=bm) for bm in (64, 80)]  # bwd_rows' rows at d = 64
+    with bwd_defines(*SDP_PER_CONSUMER):
+        out.append(fa3.bwd_variant(256, "bfloat16", block_m=fa3.bwd_block_m(256, False)))
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -299,6 +304,13 @@ def bwd_dkv(rounds, reps):
     bwd_interleaved(configs, (64, 128, 256), (2048, 8192), rounds, reps)
 
 
+def bwd_split_sdp(rounds, reps):
+    """FA3 backward at d = 256 (bwd_wide.cu): consumer 0 forms P^T and consumer 1 dS^T over the whole block
+    (as built) against each consumer both for half the queries (CUFLASH_SPLIT_SDP=0)."""
+    configs = {"split": lambda: bwd_defines(), "per consumer": lambda: bwd_defines(*SDP_PER_CONSUMER)}
+    bwd_interleaved(configs, (256,), (2048, 8192), rounds, reps)
+
+
 @contextmanager
 def replaced(owner, name, value):
     """``owner.name`` is ``value`` inside the block."""
@@ -427,7 +439,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "fwd-order": fwd_order,
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp, "fwd-order": fwd_order,
             "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)

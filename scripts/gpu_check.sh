@@ -10,7 +10,8 @@
 #                                     warm-probes (the probes' variants compiled on all cores)
 # Default: warm tests risky bench. Timeouts: TESTS_TIMEOUT (main tier), RISKY_TIMEOUT (each risky file).
 # Bench suites: SUITES (default "prefill backward decode fp8"), their arguments BENCH_ARGS. Extra pytest
-# arguments: PYTEST_ARGS="-k fa1". RISKY: the risky test files to run (default: all of them).
+# arguments: PYTEST_ARGS="-x --lf" (split at spaces), PYTEST_K="backward or bwd" (one -k expression, spaces
+# and all). RISKY: the risky test files to run (default: all of them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -53,6 +54,7 @@ for stage in "${stages[@]}"; do
     tests)
       ignore=""; for f in $all_risky; do ignore="$ignore --ignore=$f"; done
       timeout ${TESTS_TIMEOUT:-900} python3 -m pytest tests -q -m gpu -p no:cacheprovider --durations=25 $ignore ${PYTEST_ARGS:-} \
+        ${PYTEST_K:+-k "$PYTEST_K"} \
         > "$OUT/pytest-gpu.log" 2>&1 || status=1
       grep -E "^(FAILED|ERROR)" "$OUT/pytest-gpu.log" | head -30; tail -1 "$OUT/pytest-gpu.log" ;;
     risky)
@@ -66,7 +68,7 @@ for stage in "${stages[@]}"; do
         echo "##### $name" >> "$OUT/risky.log"
         # SIGINT first: pytest stops and still prints its summary and the slowest tests
         timeout -s INT -k 20 ${RISKY_TIMEOUT:-300} python3 -m pytest "$f" -q -m gpu -p no:cacheprovider --durations=8 \
-          ${PYTEST_ARGS:-} \
+          ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} \
           > /tmp/risky-$name.log 2>&1 || status=1
         cat /tmp/risky-$name.log >> "$OUT/risky.log"
         echo "$name: $(grep -E "^(FAILED|ERROR)" /tmp/risky-$name.log | head -5)"; tail -1 /tmp/risky-$name.log

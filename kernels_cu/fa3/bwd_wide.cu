@@ -5,11 +5,14 @@
 //
 // A thread block owns BN = 64 keys of one (batch, KV head) and walks the query heads of its group and the
 // 64-row query blocks that see those keys. Per query block:
-//   consumer c computes, for all 64 keys and its 32 queries (rows 32 c .. 32 c + 31 of the block),
-//       S^T = K Q^T, dP^T = V dO^T                      (64 x 32, operands in shared memory, K-major)
-//       P^T, dS^T = P^T o (dP^T - D)                    (fa3/bwd_roles.cuh: probabilities_and_ds)
-//     and stores both as bf16/fp16 into the block's [64 keys][64 queries] tiles of P^T and dS^T; once
-//     both consumers' halves are in (a named barrier), over its 128 columns:
+//   consumer 0 computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T = P^T o (dP^T - D), each
+//     over all 64 keys and 64 queries (operands in shared memory, K-major; P^T goes to consumer 1 through
+//     shared memory in fp32), and store them as bf16/fp16 into the block's [64 keys][64 queries] tiles of
+//     P^T and dS^T. Each wgmma's smem operands then feed 64 columns, not 32: K or V (32 KB) is read once
+//     per step instead of by both consumers. (With a softcap, dS^T needs the capped logits too: there
+//     consumer c computes both for its 32 queries, rows 32 c .. 32 c + 31 of the block, as
+//     fa3/bwd_roles.cuh's probabilities_and_ds.) Once the tiles are in (a named barrier), over its 128
+//     columns consumer c computes:
 //       dV += P^T dO,  dK += dS^T Q                     (A from shared memory, B MN-major)
 //       dQ  = dS K                                      (both MN-major), staged for its dQ writer
 //   The producer warpgroup is fa3/bwd.cu's: thread 0 loads K, V once and streams (Q, dO, LSE, D) through a
@@ -34,6 +37,12 @@ constexpr int BM = 64;                 // query rows per step
 constexpr int QH = BM / 2;             // query rows per consumer for S^T and dP^T
 constexpr int BN = 64;                 // keys per thread block
 constexpr int STAGES = 1;
+// Consumer 0 forms P^T and consumer 1 dS^T, each over the whole block (above); 0: each consumer both, for
+// its 32 queries (what a softcap needs; a timing probe's setting otherwise, scripts/ab_probe.py).
+#ifndef CUFLASH_SPLIT_SDP
+#define CUFLASH_SPLIT_SDP 1
+#endif
+constexpr bool SPLIT_SDP = CUFLASH_SPLIT_SDP && !SOFTCAP;
 constexpr int THREADS = 384;
 constexpr int CONSUMER_WARPS = 8;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;  // (fa3/bwd.cu: the split must fit the block's 168)
@@ -42,6 +51,10 @@ constexpr int DQ_TILE_SLOTS = 2 * DQ_STAGES;
 constexpr int KV_BYTES = BN * DP * 2, QB_BYTES = BM * DP * 2, PDS_BYTES = BN * BM * 2;
 constexpr int DQ_BOX_BYTES = BM * 32 * 4;  // 64 rows x 32 fp32 columns: one 128-byte-swizzled box
 constexpr int DQ_BOXES = HALF / 32;
+// SPLIT_SDP: P^T in fp32 from consumer 0 to consumer 1, as float4 [BN * BM / 4 / 128][128 threads]: thread t
+// of either consumer holds the same keys and queries of a 64 x 64 accumulator, and a warp's float4 at
+// consecutive threads is conflict-free.
+constexpr int P_SLOTS = SPLIT_SDP ? BN * BM / 4 / 128 : 1;
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(128 * PRODUCER_REGS + 256 * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
               "the register split must fit in what the block starts with");
@@ -56,6 +69,7 @@ struct Smem {
     alignas(1024) unsigned char pt[PDS_BYTES];        // P^T [BN keys][BM queries], 128-byte swizzle
     alignas(1024) unsigned char dst[PDS_BYTES];       // dS^T, the same
     alignas(1024) unsigned char dq[2][DQ_STAGES][DQ_BOXES * DQ_BOX_BYTES];  // per consumer: its dQ columns
+    float4 p_f32[P_SLOTS][128];                       // SPLIT_SDP: P^T, consumer 0 to consumer 1
     alignas(128) float lse[STAGES][BM];   // the (Q, dO) block's rows of the LSE and of D, loaded with it
     alignas(128) float dsum[STAGES][BM];
     u64 kv_full, qd_full[STAGES], qd_empty[STAGES];
@@ -64,9 +78,9 @@ struct Smem {
 };
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
 
-// Named barriers over both consumers (256 threads) around the shared P^T / dS^T tiles, and per consumer
-// (128) for its dQ tile.
-constexpr int PDS_FREE_BAR = 1, PDS_READY_BAR = 2, DQ_BAR = 3;  // DQ_BAR + consumer
+// Named barriers over both consumers (256 threads) around the shared P^T / dS^T tiles and P^T in fp32, and
+// per consumer (128) for its dQ tile.
+constexpr int PDS_FREE_BAR = 1, PDS_READY_BAR = 2, P_READY_BAR = 5, DQ_BAR = 3;  // DQ_BAR + consumer
 
 // The epilogue as fa3/bwd.cu's (bwd_roles.cuh: CUFLASH_STORE_DKV_TMA): each consumer stages its HALF columns
 // of dK and dV for the block's keys in the (Q, dO) slot.
@@ -85,15 +99,16 @@ __device__ __forceinline__ void issue_acc_tile_y(float (&acc)[HALF / 2], const u
                           wgmma_desc_mn(y_half + kk * 16 * 128, BM * 128), 1);
 }
 
-// A 64 x 32 accumulator (P^T or dS^T of this consumer's 32 queries) into the block's [key][query] tile
-// as 16-bit pairs: row key at key * 128 bytes, 16-byte chunk (8 queries) ch at (ch ^ key % 8) * 16.
-__device__ __forceinline__ void store_half_tile(unsigned char* tile, const float (&acc)[QH / 2], int c,
-                                                const Lane& ln) {
+// A 64 x N accumulator (P^T or dS^T of N queries from query chunk0 * 8 on) into the block's [key][query]
+// tile as 16-bit pairs: row key at key * 128 bytes, 16-byte chunk (8 queries) ch at (ch ^ key % 8) * 16.
+template <int N>
+__device__ __forceinline__ void store_tile_columns(unsigned char* tile, const float (&acc)[N / 2], int chunk0,
+                                                   const Lane& ln) {
 #pragma unroll
-    for (int j = 0; j < QH / 8; ++j)
+    for (int j = 0; j < N / 8; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            const int key = 16 * ln.w + ln.g + 8 * hh, chunk = (QH / 8) * c + j;
+            const int key = 16 * ln.w + ln.g + 8 * hh, chunk = chunk0 + j;
             *reinterpret_cast<u32*>(tile + key * 128 + ((chunk ^ (key % 8)) * 16) + 4 * ln.q4) =
                 elem_t::pack2(acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1]);
         }
@@ -180,17 +195,55 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 if (p.dq_semaphore) dq_turn<BM, BN>(tile, p, mask, n_block, batch, h, m, c, 2, /*shift=*/0);
             }
             mbar_wait(&sm.qd_full[s], (i / STAGES) & 1);
-            float st[QH / 2], dpt[QH / 2];
-            wgmma_abt_kmajor<QH, DP / 16>(st, sm.k, BN * 128, sm.q[s] + c * QH * 128, BM * 128);
-            wgmma_abt_kmajor<QH, DP / 16>(dpt, sm.v, BN * 128, sm.dout[s] + c * QH * 128, BM * 128);
-            probabilities_and_ds<BM, BN, SOFTCAP, QH>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, c * QH, key_lo,
-                                                      ln, seq, mask, p, /*shift=*/0);
-
-            // P^T and dS^T into the shared tiles: both consumers' GEMMs of the last step, which read both
-            // halves, are done (each waited for its own before arriving here).
-            named_sync(PDS_FREE_BAR, 256);
-            store_half_tile(sm.pt, st, c, ln);
-            store_half_tile(sm.dst, dpt, c, ln);
+            if constexpr (SPLIT_SDP) {
+                // consumer 0: S^T = K Q^T into P^T; consumer 1: dP^T = V dO^T into dS^T (one wgmma stream,
+                // its operands chosen by address: no wgmma under a branch)
+                float acc[BM / 2];
+                wgmma_abt_kmajor<BM, DP / 16>(acc, c == 0 ? sm.k : sm.v, BN * 128, c == 0 ? sm.q[s] : sm.dout[s],
+                                              BM * 128);
+                float rows[BM / 8][2];  // the LSE (consumer 0) or D (consumer 1) of each query column
+                column_values<BM, BM>(rows, c == 0 ? sm.lse[s] : sm.dsum[s], c == 0 ? -neg_inf() : 0.f, m, 0, ln,
+                                      seq, /*shift=*/0);
+                wgmma_wait<0>();
+                wgmma_fence_regs(acc);
+                if (c == 0)
+                    probabilities<BM, BN, false, BM>(acc, rows, m, n_block, 0, key_lo, ln, mask, p, /*shift=*/0);
+                else
+#pragma unroll
+                    for (int j = 0; j < BM / 2; ++j) acc[j] -= rows[j / 4][j % 2];
+                // The last step's GEMMs, which read both tiles, are done (each consumer waited for its own),
+                // and consumer 1 read the last P^T before it arrived here. (One barrier instruction for
+                // both consumers: compute-sanitizer's synccheck takes one reached from two places for
+                // divergence.)
+                named_sync(PDS_FREE_BAR, 256);
+                float4* p_mine = &sm.p_f32[0][t];
+                if (c == 0) {
+#pragma unroll
+                    for (int k = 0; k < P_SLOTS; ++k)
+                        p_mine[k * 128] = make_float4(acc[4 * k], acc[4 * k + 1], acc[4 * k + 2], acc[4 * k + 3]);
+                    named_arrive(P_READY_BAR, 256);
+                    store_tile_columns<BM>(sm.pt, acc, 0, ln);
+                } else {
+                    named_sync(P_READY_BAR, 256);
+#pragma unroll
+                    for (int k = 0; k < P_SLOTS; ++k) {
+                        const float4 pk = p_mine[k * 128];
+                        acc[4 * k] *= pk.x, acc[4 * k + 1] *= pk.y, acc[4 * k + 2] *= pk.z, acc[4 * k + 3] *= pk.w;
+                    }
+                    store_tile_columns<BM>(sm.dst, acc, 0, ln);
+                }
+            } else {
+                float st[QH / 2], dpt[QH / 2];
+                wgmma_abt_kmajor<QH, DP / 16>(st, sm.k, BN * 128, sm.q[s] + c * QH * 128, BM * 128);
+                wgmma_abt_kmajor<QH, DP / 16>(dpt, sm.v, BN * 128, sm.dout[s] + c * QH * 128, BM * 128);
+                probabilities_and_ds<BM, BN, SOFTCAP, QH>(st, dpt, sm.lse[s], sm.dsum[s], m, n_block, c * QH, key_lo,
+                                                          ln, seq, mask, p, /*shift=*/0);
+                // P^T and dS^T into the shared tiles: both consumers' GEMMs of the last step, which read both
+                // halves, are done (each waited for its own before arriving here).
+                named_sync(PDS_FREE_BAR, 256);
+                store_tile_columns<QH>(sm.pt, st, (QH / 8) * c, ln);
+                store_tile_columns<QH>(sm.dst, dpt, (QH / 8) * c, ln);
+            }
             fence_async_smem();
             named_sync(PDS_READY_BAR, 256);  // all 64 queries of P^T and dS^T are in
 
