@@ -27,6 +27,27 @@ def per_call_us(fn, calls):
     return host
 
 
+def decode_breakdown(decode_call, kq, kc, vc, seqlens, kout, ws, calls):
+    """Where a decode call's host time goes: the call with its two launches replaced by no-ops (the Python
+    around them), the array conversion (Call) alone, and each launch alone."""
+    from cuflash import _interop, decode
+
+    saved = decode.launch, decode.launch_dependent
+    issued = []
+    decode.launch = decode.launch_dependent = lambda *a: issued.append(a)
+    try:
+        python_us = per_call_us(decode_call, calls)
+    finally:
+        decode.launch, decode.launch_dependent = saved
+    named = [("q", kq), ("k_cache", kc), ("v_cache", vc), ("cache_seqlens", seqlens), ("out", kout), ("workspace", ws)]
+    call_us = per_call_us(lambda: _interop.Call(named), calls)
+    print(f"  decode without its launches: {python_us:6.1f} us; Call() of its 6 arrays alone: {call_us:6.1f} us")
+    stream = cupy.cuda.get_current_stream()
+    for (variant, grid, args, _), how in zip(issued[:2], (decode.launch, decode.launch_dependent)):
+        us = per_call_us(lambda: how(variant, grid, args, stream), calls)
+        print(f"  {how.__name__} of {variant.kernel} alone: {us:6.1f} us")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000)
@@ -60,6 +81,7 @@ def main():
     print(f"decode (defaults: check=True): "
           f"{per_call_us(lambda: cuflash.flash_attn_with_kvcache(kq, kc, vc, cache_seqlens=seqlens), args.calls):6.1f}"
           f" us per call (host, with its copy of cache_seqlens to the host)")
+    decode_breakdown(decode_call, kq, kc, vc, seqlens, kout, ws, args.calls)
     impl = cuflash.available_impls("forward")[-1]
     for name, fn in ((f"{impl} forward", lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl=impl)),
                      ("decode", decode_call)):
