@@ -42,8 +42,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv] [bwd-split-sdp]
-        [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -439,8 +439,8 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp, "fwd-order": fwd_order,
-            "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
+            "fwd-order": fwd_order, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
