@@ -138,13 +138,16 @@ def carve(ws, layout, q_dtype) -> dict:
 STATIC_SMEM_BOUND = 4096
 
 
+def _fits(headdim: int, stages: int, block_n: int, max_smem: int | None) -> bool:
+    """Whether decode_fwd with this ring fits ``max_smem`` bytes of shared memory per block (None: any)."""
+    return max_smem is None or fwd_smem_bytes(headdim, stages, block_n) + STATIC_SMEM_BOUND <= max_smem
+
+
 def tiles(headdim: int, max_smem: int | None = None) -> DecodeTiles:
     """heuristics.DECODE_TILES' row for ``headdim``, or DECODE_TILES_SMALL_SMEM's where that needs more
     than ``max_smem`` bytes of shared memory per block (sm_86 / sm_89: 99 KB)."""
     t = DECODE_TILES[headdim]
-    if max_smem is not None and fwd_smem_bytes(headdim, t.stages, t.block_n) + STATIC_SMEM_BOUND > max_smem:
-        return DECODE_TILES_SMALL_SMEM.get(headdim, t)
-    return t
+    return t if _fits(headdim, t.stages, t.block_n, max_smem) else DECODE_TILES_SMALL_SMEM.get(headdim, t)
 
 
 def fwd_stages(headdim: int, paged: bool, one_wave: bool, max_smem: int | None = None) -> int:
@@ -152,7 +155,7 @@ def fwd_stages(headdim: int, paged: bool, one_wave: bool, max_smem: int | None =
     one block per SM (where it fits ``max_smem``), else the tiles' stages."""
     t = tiles(headdim, max_smem)
     deep = t.paged_wave_stages if paged and one_wave else 0
-    if deep and (max_smem is None or fwd_smem_bytes(headdim, deep, t.block_n) + STATIC_SMEM_BOUND <= max_smem):
+    if deep and _fits(headdim, deep, t.block_n, max_smem):
         return deep
     return t.stages
 
