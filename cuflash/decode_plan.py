@@ -29,15 +29,18 @@ ARRAY_NAMES = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table
 _U64 = struct.Struct("<Q")
 
 
-def _layout_of(x):
-    """(address, (shape, strides, dtype, device)) of a CuPy array or a torch tensor, read without DLPack;
-    None for other arrays (plan and run take them through DLPack, like every cuflash call)."""
+def _layout_of(x, native: bool):
+    """(address, (shape, strides, dtype, device)) of an array: of a CuPy array or a torch tensor read
+    directly when ``native``; otherwise of its CuPy view through DLPack (a plan made on other arrays, or on
+    a mix of kinds, reads every array so)."""
     module = type(x).__module__.split(".")[0]
-    if module == "cupy":
-        return x.data.ptr, (x.shape, x.strides, x.dtype, x.device.id)
-    if module == "torch":
+    if native and module == "torch":
         return x.data_ptr(), (tuple(x.shape), x.stride(), x.dtype, x.device)
-    return None
+    if module != "cupy":
+        import cupy
+
+        x = cupy.from_dlpack(_interop._exportable(x))
+    return x.data.ptr, (x.shape, x.strides, x.dtype, x.device.id)
 
 
 class _Launch:
@@ -72,9 +75,10 @@ class DecodePlan:
     """The launches of one ``flash_attn_with_kvcache`` call, re-issued by :meth:`run` for arrays of the
     same layout (see the module docstring; made by :func:`plan_kvcache`)."""
 
-    def __init__(self, framework: str, device: int, layouts: dict, alignment: dict, launches: list[_Launch],
-                 lse, keep):
-        self.framework = framework
+    def __init__(self, framework: str, native: bool, device: int, layouts: dict, alignment: dict,
+                 launches: list[_Launch], lse, keep):
+        self.framework = framework     # q's: whose current stream a run launches on
+        self.native = native           # every array CuPy, or every one torch: layouts read directly (_layout_of)
         self.device = device
         self.names = tuple(layouts)
         self._layouts = layouts        # name -> (shape, strides, dtype, device) as _layout_of reads them
@@ -100,12 +104,7 @@ class DecodePlan:
                 raise ValueError(f"{name}: this plan was made {'without' if x is not None else 'with'} it")
             if x is None:
                 continue
-            read = _layout_of(x)
-            if read is None:  # (JAX and other DLPack producers: through CuPy)
-                import cupy
-
-                read = _layout_of(cupy.from_dlpack(_interop._exportable(x)))
-            address, layout = read
+            address, layout = _layout_of(x, self.native)
             if layout != self._layouts[name]:
                 raise ValueError(f"{name} must have the planned shape, strides, dtype and device "
                                  f"{self._layouts[name]}; got {layout}")
@@ -168,16 +167,12 @@ def plan_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_tab
         arrays = dict(zip((s.name for s in call.specs), call.arrays))
         device = call.device.id
     frameworks = {_interop.framework_of(x) for x in given.values() if x is not None}
-    framework = _interop.framework_of(q)
-    if framework not in ("cupy", "torch") or len(frameworks) > 1:
-        framework = "dlpack"  # run() reads every array through CuPy then
+    native = len(frameworks) == 1 and frameworks <= {"cupy", "torch"}
     layouts, alignment, addresses = {}, {}, {}
     for name, x in given.items():
-        if x is None:
-            continue
-        read = _layout_of(x) if framework != "dlpack" else _layout_of(arrays[name])
-        addresses[name], layouts[name] = read
-        alignment[name] = read[0] % 16
+        if x is not None:
+            addresses[name], layouts[name] = _layout_of(x if native else arrays[name], native)
+            alignment[name] = addresses[name] % 16
     if len(set(addresses.values())) != len(addresses):
         raise ValueError("plan_kvcache needs distinct arrays (two of them start at the same address)")
     keep = []
@@ -213,4 +208,4 @@ def plan_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_tab
             launches.append(_Launch(variant, grid, params, dependent and programmatic, relocations(params, addresses),
                                     fn.ptr))
     lse = result[1] if return_softmax_lse else None
-    return DecodePlan(framework, device, layouts, alignment, launches, lse, keep)
+    return DecodePlan(_interop.framework_of(q), native, device, layouts, alignment, launches, lse, keep)

@@ -74,8 +74,8 @@ def plan(monkeypatch):
     launches = [_Launch(decode.fwd_variant(128, "float16", False), (4, 2, 2), fwd, False, relocations(fwd, addresses), 0xF1),
                 _Launch(decode.combine_variant("float16"), (4,), comb, True, relocations(comb, addresses), 0xF2)]
     driver.sizes = {0xF1: decode.FWD_PARAMS.itemsize, 0xF2: decode.COMBINE_PARAMS.itemsize}
-    layouts = {n: decode_plan._layout_of(x)[1] for n, x in a.items()}
-    p = DecodePlan("cupy", 0, layouts, {n: x.data.ptr % 16 for n, x in a.items()}, launches, None, [])
+    layouts = {n: decode_plan._layout_of(x, True)[1] for n, x in a.items()}
+    p = DecodePlan("cupy", True, 0, layouts, {n: x.data.ptr % 16 for n, x in a.items()}, launches, None, [])
     return types.SimpleNamespace(plan=p, driver=driver, fwd=fwd, comb=comb)
 
 
