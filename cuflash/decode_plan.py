@@ -76,7 +76,7 @@ class DecodePlan:
     same layout (see the module docstring; made by :func:`plan_kvcache`)."""
 
     def __init__(self, framework: str, native: bool, device: int, layouts: dict, alignment: dict,
-                 launches: list[_Launch], lse, keep):
+                 launches: list[_Launch], lse, keep, num_splits: int = 0):
         self.framework = framework     # q's: whose current stream a run launches on
         self.native = native           # every array CuPy, or every one torch: layouts read directly (_layout_of)
         self.device = device
@@ -86,6 +86,8 @@ class DecodePlan:
         self._launches = launches
         self._lse = lse                # the returned lse (a view into the plan's scratch) or None
         self._keep = keep              # the scratch and the functions' modules, alive as long as the plan
+        self.num_splits = num_splits   # the KV split count of the planned launches (an eager call with
+                                       # check=True may pick fewer for shorter caches: pass this to match)
 
     def run(self, q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_table=None, cache_batch_idx=None,
             rotary_cos=None, rotary_sin=None, out):
@@ -150,7 +152,8 @@ def plan_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_tab
     that a plan does not repeat); ``out`` is required. ``workspace`` as in flash_attn_with_kvcache; without
     one the plan allocates and keeps its own (sized for the split count check=False picks). Every other
     argument is fixed at plan time. Errors in the arguments are raised here, as flash_attn_with_kvcache
-    raises them."""
+    raises them. The plan's ``num_splits`` is the KV split count its launches use (with num_splits=0 the
+    count check=False picks from the cache's capacity)."""
     import cupy
 
     from .api import flash_attn_with_kvcache, kvcache_num_splits, kvcache_workspace_bytes
@@ -176,13 +179,13 @@ def plan_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_tab
     if len(set(addresses.values())) != len(addresses):
         raise ValueError("plan_kvcache needs distinct arrays (two of them start at the same address)")
     keep = []
+    b, sq, h, d = arrays["q"].shape
+    paged = page_table is not None
+    capacity = arrays["page_table"].shape[1] * arrays["k_cache"].shape[1] if paged else arrays["k_cache"].shape[1]
+    splits = num_splits or kvcache_num_splits(b, h, arrays["k_cache"].shape[2], sq, d, capacity, paged=paged,
+                                              page_size=arrays["k_cache"].shape[1] if paged else None,
+                                              device=device)
     if workspace is None:
-        b, sq, h, d = arrays["q"].shape
-        paged = page_table is not None
-        capacity = arrays["page_table"].shape[1] * arrays["k_cache"].shape[1] if paged else arrays["k_cache"].shape[1]
-        splits = num_splits or kvcache_num_splits(b, h, arrays["k_cache"].shape[2], sq, d, capacity, paged=paged,
-                                                  page_size=arrays["k_cache"].shape[1] if paged else None,
-                                                  device=device)
         need = kvcache_workspace_bytes(b, h, sq, d, splits, dtype=str(arrays["q"].dtype),
                                        rotary=rotary_cos is not None)
         with cupy.cuda.Device(device):
@@ -208,4 +211,4 @@ def plan_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, page_tab
             launches.append(_Launch(variant, grid, params, dependent and programmatic, relocations(params, addresses),
                                     fn.ptr))
     lse = result[1] if return_softmax_lse else None
-    return DecodePlan(_interop.framework_of(q), native, device, layouts, alignment, launches, lse, keep)
+    return DecodePlan(_interop.framework_of(q), native, device, layouts, alignment, launches, lse, keep, splits)

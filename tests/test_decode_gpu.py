@@ -455,6 +455,7 @@ def test_plan_runs_match_the_call(poison_allocations, paged, new, rotary_dim, nu
                                                               planned["k_cache"].shape[1] * (
                                                                   planned["page_table"].shape[1] if paged else 1),
                                                               paged=paged, page_size=16 if paged else None)
+        assert plan.num_splits == splits
         want_o, want_l = cuflash.flash_attn_with_kvcache(**twin, causal=bool(new), num_splits=splits,
                                                          return_softmax_lse=True)
         cupy.cuda.get_current_stream().synchronize()
@@ -485,7 +486,7 @@ def test_plan_run_in_a_graph_and_with_torch(poison_allocations):
         args["cache_seqlens"][...] = cupy.asarray(np.asarray([7, 1500], np.int32))
         graph.launch(stream)
         got = out.copy()
-        want = cuflash.flash_attn_with_kvcache(**args)  # appends the same token again (same bytes)
+        want = cuflash.flash_attn_with_kvcache(**args, num_splits=plan.num_splits)  # appends the same token again
         stream.synchronize()
     assert bool((got.view("uint16") == want.view("uint16")).all())
     torch = pytest.importorskip("torch")
@@ -494,7 +495,7 @@ def test_plan_run_in_a_graph_and_with_torch(poison_allocations):
     tplan = cuflash.plan_kvcache(**targs, out=tout)
     assert tplan.run(**targs, out=tout) is tout
     torch.cuda.synchronize()
-    want = cuflash.flash_attn_with_kvcache(**args)
+    want = cuflash.flash_attn_with_kvcache(**args, num_splits=tplan.num_splits)
     cupy.cuda.get_current_stream().synchronize()
     assert bool((cupy.from_dlpack(tout).view("uint16") == want.view("uint16")).all())
     with pytest.raises(ValueError, match="q must have the planned"):
