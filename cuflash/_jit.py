@@ -450,16 +450,29 @@ def launch_dependent(variant: Variant, grid: tuple[int, ...], args, stream) -> N
     if not all(isinstance(a, numpy.ndarray) for a in args):
         raise TypeError("launch_dependent takes numpy arrays (params structs) as kernel arguments")
     fn = get_function(variant)
-    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
     if stream is None:
         import cupy
 
         stream = cupy.cuda.get_current_stream()
-    config = CUlaunchConfig(gx, gy, gz, variant.threads, 1, 1, variant.smem_bytes, stream.ptr, _pdl_attribute(), 1)
+    config = launch_config(variant, grid, dependent=True)
+    config.hStream = stream.ptr
     params = (ctypes.c_void_p * len(args))(*(a.ctypes.data for a in args))
-    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn.ptr, params, None)
+    launch_ex(variant.name, fn.ptr, config, params)
+
+
+def launch_config(variant: Variant, grid: tuple[int, ...], dependent: bool = False) -> CUlaunchConfig:
+    """cuLaunchKernelEx's configuration of ``variant`` over ``grid`` (its hStream is the caller's to set);
+    ``dependent``: with the programmatic-stream-serialisation attribute (launch_dependent)."""
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+    return CUlaunchConfig(gx, gy, gz, variant.threads, 1, 1, variant.smem_bytes, None,
+                          _pdl_attribute() if dependent else None, int(dependent))
+
+
+def launch_ex(name: str, fn_ptr: int, config: CUlaunchConfig, params) -> None:
+    """cuLaunchKernelEx of the function ``fn_ptr`` (``name`` for the error) with ``config`` and ``params``
+    (a ctypes array of pointers to each kernel argument); a RuntimeError naming the driver's error."""
+    err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn_ptr, params, None)
     if err:
-        name = ctypes.c_char_p()
-        _libcuda().cuGetErrorName(err, ctypes.byref(name))
-        raise RuntimeError(f"cuLaunchKernelEx of {variant.name} failed: "
-                           f"{(name.value or b'unknown CUresult').decode()} ({err})")
+        text = ctypes.c_char_p()
+        _libcuda().cuGetErrorName(err, ctypes.byref(text))
+        raise RuntimeError(f"cuLaunchKernelEx of {name} failed: {(text.value or b'unknown CUresult').decode()} ({err})")

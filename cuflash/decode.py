@@ -16,6 +16,7 @@ sm_80 and newer. Three kernels, launched in this order on the caller's stream:
 """
 from __future__ import annotations
 
+import contextvars
 import math
 
 import numpy as np
@@ -208,6 +209,20 @@ def m_blocks(dims: KvDims) -> int:
     return -(-(dims.heads // dims.kv_heads) * dims.seqlen_q // DECODE_BLOCK_M)
 
 
+# While set (decode_plan.py), the launches a call issues are also appended here as (variant, grid, params
+# struct, dependent): a plan records one call's launches and re-issues them with new addresses.
+recorded_launches: contextvars.ContextVar = contextvars.ContextVar("cuflash_decode_launches", default=None)
+
+
+def _issue(variant: Variant, grid: tuple[int, ...], params: np.ndarray, stream, dependent: bool = False) -> None:
+    """Launch ``variant`` with its one params struct (``dependent``: as the programmatic dependent of the
+    kernel before it, launch_dependent), recording it for a plan when one is recording."""
+    record = recorded_launches.get()
+    if record is not None:
+        record.append((variant, tuple(grid), params.copy(), dependent))
+    (launch_dependent if dependent else launch)(variant, grid, (params,), stream)
+
+
 def _ptr(a) -> int:
     return 0 if a is None else a.data.ptr
 
@@ -258,10 +273,10 @@ def append(q, k_cache, v_cache, k, v, q_rot, cache_seqlens, page_table, cache_ba
     rows_per_block = AUX_THREADS // 32
     if k is not None and dims.seqlen_new:
         rows = dims.batch * dims.seqlen_new * dims.kv_heads
-        launch(append_variant("kv_append", dims.dtype), (-(-rows // rows_per_block),), (p,), stream)
+        _issue(append_variant("kv_append", dims.dtype), (-(-rows // rows_per_block),), p, stream)
     if q_rot is not None:
         rows = dims.batch * dims.seqlen_q * dims.heads
-        launch(append_variant("q_rotary", dims.dtype), (-(-rows // rows_per_block),), (p,), stream)
+        _issue(append_variant("q_rotary", dims.dtype), (-(-rows // rows_per_block),), p, stream)
 
 
 def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batch_idx, dims: KvDims,
@@ -289,7 +304,7 @@ def forward(q, k_cache, v_cache, out, lse, cache_seqlens, page_table, cache_batc
         f["scale_log2"], f["softcap_pre"] = softcap * LOG2E, scale / softcap
     else:
         f["scale_log2"], f["softcap_pre"] = scale * LOG2E, 0.0
-    launch(variant, grid, (_struct(FWD_PARAMS, f),), stream)
+    _issue(variant, grid, _struct(FWD_PARAMS, f), stream)
     if num_splits > 1:
         combine(o_partial, lse_partial, out, lse, stream, after_split=True)
 
@@ -307,4 +322,4 @@ def combine(o_partial, lse_partial, out, lse, stream, *, after_split: bool = Fal
     _strides(f, "o", out)
     p = _struct(COMBINE_PARAMS, f)
     grid = (-(-b * s * h // (AUX_THREADS // 32)),)  # one warp per row
-    (launch_dependent if after_split else launch)(combine_variant(str(out.dtype)), grid, (p,), stream)
+    _issue(combine_variant(str(out.dtype)), grid, p, stream, dependent=after_split)

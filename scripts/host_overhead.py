@@ -1,6 +1,7 @@
 """Host-side cost of one cuflash call: Python time per call (the launch is asynchronous, so a loop of
-calls without synchronising measures the host path alone), per implementation, and a cProfile of the
-FA3 forward's and of the decode call's host paths. Small shapes, so the GPU never holds the loop back.
+calls without synchronising measures the host path alone), per implementation, the decode call's split
+into Python and launches, a planned decode step (plan_kvcache / run), and a cProfile of the FA3 forward's
+and of the decode call's host paths. Small shapes, so the GPU never holds the loop back.
 
     python scripts/host_overhead.py [--calls 2000] [--top 18]
 """
@@ -82,6 +83,9 @@ def main():
           f"{per_call_us(lambda: cuflash.flash_attn_with_kvcache(kq, kc, vc, cache_seqlens=seqlens), args.calls):6.1f}"
           f" us per call (host, with its copy of cache_seqlens to the host)")
     decode_breakdown(decode_call, kq, kc, vc, seqlens, kout, ws, args.calls)
+    plan = cuflash.plan_kvcache(kq, kc, vc, cache_seqlens=seqlens, out=kout)
+    print(f"decode plan.run (the same call, planned once): "
+          f"{per_call_us(lambda: plan.run(kq, kc, vc, cache_seqlens=seqlens, out=kout), args.calls):6.1f} us per call")
     impl = cuflash.available_impls("forward")[-1]
     for name, fn in ((f"{impl} forward", lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl=impl)),
                      ("decode", decode_call)):

@@ -421,3 +421,82 @@ def test_checked_call_refused_during_capture():
                 pass
         assert not stream.is_capturing()
         _run(args, num_splits=0)  # usable afterwards
+
+
+PLAN_CASES = [  # (paged, new tokens, rotary_dim, num_splits, return lse)
+    (False, 0, 0, 0, False), (False, 1, 0, 1, True), (True, 0, 0, 0, True), (True, 2, 64, 5, False),
+    (False, 3, 128, 0, True),
+]
+
+
+@pytest.mark.parametrize("paged, new, rotary_dim, num_splits, with_lse", PLAN_CASES)
+def test_plan_runs_match_the_call(poison_allocations, paged, new, rotary_dim, num_splits, with_lse):
+    """A plan made on one set of arrays, run on another of the same layout at other addresses and with other
+    contents (cache lengths, tokens, pages), gives what flash_attn_with_kvcache (same split count) gives on
+    a copy of that set, bit for bit: out, lse and both caches after the append. (Every set's longest entry
+    is the same, so the caches and page tables have one shape.)"""
+    import cupy
+
+    rng = np.random.default_rng()
+    shape = dict(dtype="bfloat16", paged=paged, page_size=16, b=3, sq=2 if new else 1, h=8, hkv=2, d=128,
+                 new=new, rotary_dim=rotary_dim)
+    planned = _inputs(rng, lens=(40, 700, 1500), **shape)
+    options = dict(causal=bool(new), num_splits=num_splits)
+    out_p = cupy.empty_like(planned["q"])
+    plan = cuflash.plan_kvcache(**planned, **options, return_softmax_lse=with_lse, out=out_p)
+    for lens in ((0, 33, 1500), (1500, 1, 640)):  # (the longest sets the caches' and page table's sizes)
+        fresh = _inputs(rng, lens=lens, **shape)
+        twin = {n: a.copy() for n, a in fresh.items()}
+        out = cupy.empty_like(fresh["q"])
+        got = plan.run(**fresh, out=out)
+        got_o, got_l = got if with_lse else (got, None)
+        assert got_o is out
+        splits = num_splits or cuflash.api.kvcache_num_splits(3, 8, 2, shape["sq"], 128,
+                                                              planned["k_cache"].shape[1] * (
+                                                                  planned["page_table"].shape[1] if paged else 1),
+                                                              paged=paged, page_size=16 if paged else None)
+        assert plan.num_splits == splits
+        want_o, want_l = cuflash.flash_attn_with_kvcache(**twin, causal=bool(new), num_splits=splits,
+                                                         return_softmax_lse=True)
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool((got_o.view("uint16") == want_o.view("uint16")).all()), f"{lens}: out"
+        if with_lse:
+            assert bool(((got_l == want_l) | (cupy.isnan(got_l) & cupy.isnan(want_l))).all()), f"{lens}: lse"
+        for c in ("k_cache", "v_cache"):
+            assert bool((fresh[c].view("uint16") == twin[c].view("uint16")).all()), f"{lens}: {c} after the append"
+
+
+def test_plan_run_in_a_graph_and_with_torch(poison_allocations):
+    """plan.run captured in a CUDA graph (nothing allocated during the capture) replays with new cache
+    lengths written in place like an eager call; a plan made on torch tensors runs on torch's current
+    stream and takes torch tensors."""
+    import cupy
+
+    rng = np.random.default_rng()
+    args = _inputs(rng, dtype="bfloat16", paged=False, page_size=0, b=2, sq=1, h=8, hkv=2, d=128,
+                   lens=(100, 2000), new=1)
+    out = cupy.empty_like(args["q"])
+    plan = cuflash.plan_kvcache(**args, out=out)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan.run(**args, out=out)
+        stream.synchronize()
+        with cupy.cuda.using_allocator(_refuse_allocation):
+            graph, _ = capture_on_stream(stream, lambda: plan.run(**args, out=out))
+        args["cache_seqlens"][...] = cupy.asarray(np.asarray([7, 1500], np.int32))
+        graph.launch(stream)
+        got = out.copy()
+        want = cuflash.flash_attn_with_kvcache(**args, num_splits=plan.num_splits)  # appends the same token again
+        stream.synchronize()
+    assert bool((got.view("uint16") == want.view("uint16")).all())
+    torch = pytest.importorskip("torch")
+    targs = {n: torch.from_dlpack(a) for n, a in args.items()}
+    tout = torch.empty_like(targs["q"])
+    tplan = cuflash.plan_kvcache(**targs, out=tout)
+    assert tplan.run(**targs, out=tout) is tout
+    torch.cuda.synchronize()
+    want = cuflash.flash_attn_with_kvcache(**args, num_splits=tplan.num_splits)
+    cupy.cuda.get_current_stream().synchronize()
+    assert bool((cupy.from_dlpack(tout).view("uint16") == want.view("uint16")).all())
+    with pytest.raises(ValueError, match="q must have the planned"):
+        tplan.run(**dict(targs, q=targs["q"].float()), out=tout)
