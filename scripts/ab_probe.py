@@ -22,6 +22,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
   bwd-det    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: the default against the
              deterministic mode (issue 5: within 15 %)
+  bwd-det-cost  FA3 backward d = 256, N = 2k and 8k, causal and not: where the deterministic mode's time
+             goes (the default launched highest first; deterministic without waiting for turns)
   bwd-rows   FA3 backward d = 64, N = 2k ... 16k, causal and not: the rows per step of
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
@@ -42,7 +44,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -150,6 +152,9 @@ def list_variants() -> list:
     out += [fa3.bwd_variant(64, "bfloat16", block_m=bm) for bm in (64, 80)]  # bwd_rows' rows at d = 64
     with bwd_defines(*SDP_PER_CONSUMER):
         out.append(fa3.bwd_variant(256, "bfloat16", block_m=fa3.bwd_block_m(256, False)))
+    for defines in DET_COST_DEFINES.values():
+        with bwd_defines(*defines):
+            out.append(fa3.bwd_variant(256, "bfloat16", block_m=fa3.bwd_block_m(256, False)))
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -288,6 +293,34 @@ def bwd_det(rounds, reps):
         mode.clear()
 
     bwd_interleaved({"default": as_is, "deterministic": deterministic}, (64, 128, 256), (2048, 8192), rounds, reps,
+                    extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
+
+
+HIGHEST_FIRST, LOWEST_FIRST = (("CUFLASH_PROBE_LAUNCH_ORDER", 1),), (("CUFLASH_PROBE_LAUNCH_ORDER", 0),)
+NO_TURN = (("CUFLASH_PROBE_DET_NO_TURN", 1),)
+DET_COST_DEFINES = {"default, highest first": HIGHEST_FIRST, "det, no turn": NO_TURN,
+                    "det, no turn, lowest first": NO_TURN + LOWEST_FIRST}
+
+
+def bwd_det_cost(rounds, reps):
+    """FA3 backward d = 256: where the deterministic mode's time goes. The default; the default launched
+    highest K block first (deterministic mode's order: what the causal tail costs); deterministic; and
+    deterministic without waiting for turns (dQ unordered: what the chain of turns costs), launched highest
+    or lowest first."""
+    mode = {}
+
+    def config(deterministic, defines=()):
+        @contextmanager
+        def run():
+            mode["deterministic"] = deterministic
+            with bwd_defines(*defines):
+                yield
+            mode.clear()
+        return run
+
+    configs = {"default": config(False), "deterministic": config(True)}
+    configs.update({name: config(name.startswith("det"), defines) for name, defines in DET_COST_DEFINES.items()})
+    bwd_interleaved(configs, (256,), (2048, 8192), rounds, reps,
                     extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
 
 
@@ -439,7 +472,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
+            "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-order": fwd_order, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)

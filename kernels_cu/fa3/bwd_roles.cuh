@@ -31,6 +31,23 @@ static_assert(!(CUFLASH_STORE_DKV_TMA && CUFLASH_VARLEN), "packed batches store 
 #define CUFLASH_PROBE_NO_DQ_ADD 0
 #endif
 
+// Timing probes only (scripts/ab_probe.py bwd-det-cost; with either, deterministic dQ is not ordered):
+// CUFLASH_PROBE_LAUNCH_ORDER 0 / 1 launches the lowest / highest K block first whatever p says (-1: as p
+// says); CUFLASH_PROBE_DET_NO_TURN 1 makes a deterministic writer add without waiting for its turn (it still
+// waits for each add to land and passes the turn on).
+#ifndef CUFLASH_PROBE_LAUNCH_ORDER
+#define CUFLASH_PROBE_LAUNCH_ORDER -1
+#endif
+#ifndef CUFLASH_PROBE_DET_NO_TURN
+#define CUFLASH_PROBE_DET_NO_TURN 0
+#endif
+
+// This block's K block: deterministic mode launches the highest first (fa3/bwd.cu), the default the lowest.
+__device__ __forceinline__ int launched_n_block(const Fa3BwdParams& p) {
+    const bool highest_first = CUFLASH_PROBE_LAUNCH_ORDER < 0 ? p.highest_first != 0 : CUFLASH_PROBE_LAUNCH_ORDER == 1;
+    return highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+}
+
 // Where a staged dQ tile goes, written by its consumer for the writer (which has too few registers to work
 // it out): the tile's first column and row and its head coordinate in the dQ tensor map; deterministic
 // mode: its counter (an index into p.dq_semaphore) and the value that makes it this block's turn.
@@ -155,7 +172,7 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
         if (p.dq_semaphore) {  // deterministic: this K block's turn among those touching the Q block
             flag = p.dq_semaphore + tile.flag;
             turn = tile.turn;
-            while (ld_acquire(flag) != turn) {
+            while (!CUFLASH_PROBE_DET_NO_TURN && ld_acquire(flag) != turn) {
             }
             fence_async_global();  // the reduce below comes after the acquire
         }

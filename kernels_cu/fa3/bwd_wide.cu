@@ -123,8 +123,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     Smem& sm = aligned_smem<Smem>(smem_raw);
 
-    // Deterministic mode launches the highest K block first (fa3/bwd.cu: p.highest_first).
-    const int n_block = p.highest_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int n_block = launched_n_block(p);
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int group = p.heads / p.kv_heads;
     const int warpgroup = warpgroup_index();
