@@ -17,7 +17,7 @@
 #include "common/padded_rows.cuh"
 #include "common/ptx.cuh"
 #include "common/seqlen.cuh"
-#include "fa3/params.cuh"
+#include "fa3/bwd_params.cuh"
 
 // The kernels' epilogue: dK and dV through shared memory and TMA stores (coalesced, and the block need not
 // wait for them; store_dkv_tma), or (packed batches, where the rows past a sequence are the next one's)

@@ -1,5 +1,6 @@
-// Parameters of the FA3 family besides its tensor maps (which carry q, k, v and their strides).
-// cuflash/fa3.py mirrors this struct as a numpy structured dtype (align=True).
+// Parameters of the FA3 forward besides its tensor maps (which carry q, k, v and their strides); the
+// backward's are in fa3/bwd_params.cuh. cuflash/fa3.py mirrors each struct as a numpy structured dtype
+// (align=True).
 #pragma once
 #include "../common/types.cuh"
 
@@ -23,34 +24,4 @@ struct Fa3FwdParams {
     int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
     int sched_section, sched_serpentine;  // the persistent scheduler's order (cuflash/tile_order.py)
     int row_shift;  // query rows of the first query block before row 0 (fa3/fwd.cu; cuflash/fa3.py fill_schedule)
-};
-
-struct Fa3BwdParams {
-    // LSE, D and dQ reach the kernel through tensor maps (cuflash/fa3.py: backward)
-    const int* cu_seqlens_q;  // CUFLASH_VARLEN: (batch + 1) row offsets of the packed sequences
-    const int* cu_seqlens_k;
-    u16* dk;
-    u16* dv;
-    i64 dk_batch_stride, dk_row_stride, dk_head_stride;
-    i64 dv_batch_stride, dv_row_stride, dv_head_stride;
-    i64 row_batch_stride, row_head_stride;  // of the padded LSE / D rows (bwd.cu: lse_row0)
-    int batch, heads, kv_heads, seqlen_q, seqlen_k;  // the longest lengths when CUFLASH_VARLEN
-    int window_left, window_right;  // "unbounded" = seqlen_k (left), seqlen_q (right)
-    float scale_log2;               // logit -> log2 units (cuflash/_params.logit_scales)
-    float softcap_pre;              // scale / softcap (CUFLASH_SOFTCAP variants only)
-    float scale;                    // softmax scale (dK = scale * dS^T Q)
-    // Deterministic mode: (batch, heads, q_blocks, dQ atoms) zeroed counters; each K block adds its dQ share
-    // of a Q block when the counter says it is its turn (null: adds in any order).
-    int* dq_semaphore;
-    int highest_first;  // launch the K blocks highest first (deterministic mode must; cuflash/heuristics.py)
-    // Deterministic mode without a mask bounding the rows, every K block of a head resident at once: the
-    // rotated dQ order (common/dq_order.cuh), set by cuflash/fa3.py.
-    int rotate_q_blocks;
-    // Query rows of the first Q block before row 0 (fa3/bwd_roles.cuh row_shift_of; fa3/bwd.cu only, 0 for
-    // fa3/bwd_wide.cu and packed batches; cuflash/fa3.py backward).
-    int row_shift;
-    // Deterministic mode: 1, or 2 dQ accumulators (cuflash/fa3.py dq_accumulators): K blocks of odd index add
-    // into a second one, dq_accum_planes (batch x heads, or heads for packed batches) planes of the dQ tensor
-    // map after the first, each accumulator with its own descending order (fa3/bwd_roles.cuh dq_turn).
-    int dq_accumulators, dq_accum_planes;
 };
