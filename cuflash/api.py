@@ -193,13 +193,6 @@ def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax
     return _Plan(scale, window, family, _kernel_options(softcap, alibi, dropout, deterministic, cu_seqlens))
 
 
-def _dq_accumulators(plan, dims) -> int:
-    """How many fp32 dQ accumulators the family's backward adds into (fa3.dq_accumulators: two in some
-    deterministic calls), allocated one after the other in the dq_accum it is given."""
-    count_of = getattr(plan.family, "dq_accumulators", None)
-    return count_of(dims, plan.window, **plan.options) if count_of else 1
-
-
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
                     impl="auto", q_descale=None, k_descale=None, v_descale=None, fp8_format=None,
@@ -291,8 +284,7 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
         # (rows of padding before row 0 that the family's backward adds into: fa3's bwd_row_shift)
         shift_of = getattr(plan.family, "bwd_row_shift", None)
         lead = shift_of(dims, plan.window, **plan.options) if shift_of else 0
-        count = _dq_accumulators(plan, dims)
-        dq_accum = cupy.empty((count * dims.batch, dims.heads, lead + dims.seqlen_q, dims.headdim), dtype=cupy.float32)
+        dq_accum = cupy.empty((dims.batch, dims.heads, lead + dims.seqlen_q, dims.headdim), dtype=cupy.float32)
         dsum = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
         plan.family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, plan.window, plan.scale,
                              call.stream, **plan.options)
@@ -382,8 +374,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
         dk = cupy.zeros_like(ka)
         dv = cupy.zeros_like(va)
         if dims.batch and dims.seqlen_q and dims.seqlen_k:
-            count = _dq_accumulators(plan, dims)
-            dq_accum = cupy.empty((count * dims.heads, qa.shape[0], dims.headdim), dtype=cupy.float32)
+            dq_accum = cupy.empty((dims.heads, qa.shape[0], dims.headdim), dtype=cupy.float32)
             dsum = cupy.empty((dims.heads, qa.shape[0]), dtype=cupy.float32)
             plan.family.backward(doa, qa, ka, va, oa, lsea, dq, dk, dv, dq_accum, dsum, dims, plan.window,
                                  plan.scale, call.stream, **plan.options)

@@ -140,8 +140,7 @@ BWD_PARAMS = np.dtype(
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
     + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32),
-                                        ("row_shift", np.int32), ("dq_accumulators", np.int32),
-                                        ("dq_accum_planes", np.int32)],
+                                        ("row_shift", np.int32)],
     align=True,
 )
 BWD_BLOCK_M = 64
@@ -401,11 +400,6 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     if not varlen and dq_accum.shape[-2] != shift + dims.seqlen_q:
         raise ValueError(f"dq_accum has {dq_accum.shape[-2]} rows per head; this call needs {shift} + "
                          f"{dims.seqlen_q} (fa3.bwd_row_shift)")
-    accumulators = dq_accumulators(dims, window, deterministic=deterministic, cu_seqlens=cu_seqlens)
-    planes = dims.heads if varlen else dims.batch * dims.heads  # of one accumulator
-    if dq_accum.size != accumulators * planes * dq_accum.shape[-2] * dims.headdim:
-        raise ValueError(f"dq_accum has shape {dq_accum.shape}; this call needs {accumulators} accumulator(s) of "
-                         f"{planes} x {dq_accum.shape[-2]} x {dims.headdim} (fa3.dq_accumulators)")
     q_pitch = (shift + dims.seqlen_q + block_m - 1) // block_m * block_m  # Q blocks x block_m of the longest
     if varlen:  # per head: every sequence's rows from a 64-aligned start (common/padded_rows.cuh)
         pitch = varlen_row_pitch(q.shape[0], dims.batch)
@@ -423,8 +417,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     lse_rows, dsum_rows = rows[0], rows[1]
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift,
-                        accumulators=accumulators)
+                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, block_m)
     block_n = bwd_block_n(dims.headdim)
     maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
@@ -436,13 +429,12 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
         atoms = -(-dims.headdim // 64)
-        if accumulators * dims.batch * dims.heads * (q_pitch // block_m) * atoms >= 2 ** 31:
-            raise ValueError(f"deterministic FA3 backward: accumulators x batch x heads x Q blocks x dQ atoms must "
-                             f"be below 2^31 (32-bit counter indices); got {accumulators} x {dims.batch} x "
-                             f"{dims.heads} x {q_pitch // block_m} x {atoms}")
-        semaphore = cupy.zeros((accumulators * dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
+        if dims.batch * dims.heads * (q_pitch // block_m) * atoms >= 2 ** 31:
+            raise ValueError(f"deterministic FA3 backward: batch x heads x Q blocks x dQ atoms must be below 2^31 "
+                             f"(32-bit counter indices); got {dims.batch} x {dims.heads} x "
+                             f"{q_pitch // block_m} x {atoms}")
+        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
-    p["dq_accumulators"], p["dq_accum_planes"] = accumulators, planes
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
     p["row_batch_stride"], p["row_head_stride"] = (0 if varlen else dims.heads * pitch), pitch
@@ -457,20 +449,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
     p["row_shift"] = shift
     launch(variant, grid, (*maps, p), stream)
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift,
-                        accumulators=accumulators)
-
-
-def dq_accumulators(dims: Dims, window, deterministic: bool = False, cu_seqlens=None, **_) -> int:
-    """fp32 dQ accumulators the backward adds into (cuflash.api allocates them, one after the other, in the
-    dq_accum it passes): 1, or in deterministic mode with the descending dQ order (fa3/bwd_roles.cuh
-    dq_turn; not the rotated order) heuristics.FA3_DET_DQ_ACCUMULATORS."""
-    if not deterministic:
-        return 1
-    k_blocks = (dims.seqlen_k + bwd_block_n(dims.headdim) - 1) // bwd_block_n(dims.headdim)
-    if bwd_rotates(window, dims, k_blocks, _sm_count()):
-        return 1
-    return heuristics.FA3_DET_DQ_ACCUMULATORS
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift)
 
 
 def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_) -> int:

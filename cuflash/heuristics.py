@@ -284,11 +284,6 @@ FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILE
 # on the H200 (deterministic / default TF/s, not causal): d = 256 N = 2k 0.70 -> 0.85, 4k 0.70 -> 0.84
 # (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
 FA3_BWD_ROTATE_SM_FRACTION = 0.5
-# dQ accumulators of the deterministic FA3 backward where it takes the descending order (causal, windows,
-# long sequences; cuflash/fa3.py dq_accumulators): with 2, even and odd K blocks each add in their own order
-# into their own accumulator (one more fp32 dQ in memory, summed by the conversion), so a block waits for
-# the one two above it instead of the next one up. 1: a single accumulator.
-FA3_DET_DQ_ACCUMULATORS = 2
 # head dim -> query rows per step of the FA3 backward (fa3/bwd.cu) without a softcap (with one: 64, its
 # registers). FlashAttention-3's hopper/ backward runs d = 128 on 80 x 128 tiles with dQ computed
 # transposed (without a mask): each step carries 25 % more rows over the same barriers, LSE reads and dQ

@@ -304,9 +304,9 @@ DET_COST_DEFINES = {"default, highest first": HIGHEST_FIRST, "det, no turn": NO_
 
 def bwd_det_cost(rounds, reps):
     """FA3 backward d = 256: where the deterministic mode's time goes. The default; the default launched
-    highest K block first (deterministic mode's order: what the causal tail costs); deterministic (two dQ
-    accumulators where heuristics.FA3_DET_DQ_ACCUMULATORS says so) and with one; and deterministic without
-    waiting for turns (dQ unordered: what the chain of turns costs), launched highest or lowest first."""
+    highest K block first (deterministic mode's order: what the causal tail costs); deterministic; and
+    deterministic without waiting for turns (dQ unordered: what the chain of turns costs), launched highest
+    or lowest first."""
     mode = {}
 
     def config(deterministic, defines=()):
@@ -320,15 +320,6 @@ def bwd_det_cost(rounds, reps):
 
     configs = {"default": config(False), "deterministic": config(True)}
     configs.update({name: config(name.startswith("det"), defines) for name, defines in DET_COST_DEFINES.items()})
-
-    @contextmanager
-    def one_accumulator():
-        mode["deterministic"] = True
-        with replaced(heuristics, "FA3_DET_DQ_ACCUMULATORS", 1):
-            yield
-        mode.clear()
-
-    configs["det, 1 accumulator"] = one_accumulator
     bwd_interleaved(configs, (256,), (2048, 8192), rounds, reps,
                     extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
 

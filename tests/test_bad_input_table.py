@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _device, _validate, api, fa3
+from cuflash import _device, _validate, api
 from cuflash._interop import Spec
 
 B, SQ, SK, H, HKV, D = 2, 64, 80, 8, 2, 64
@@ -658,7 +658,6 @@ def spec_env(monkeypatch):
     state = {"cc": GOOD_CC}
     monkeypatch.setattr(api, "Call", _SpecCall)
     monkeypatch.setattr(_device, "compute_capability", lambda device=0: state["cc"])
-    monkeypatch.setattr(fa3, "_sm_count", lambda: 132)  # (fa3.dq_accumulators asks, for the deterministic order)
     monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
 
     def launcher(name, direction):

@@ -70,8 +70,6 @@ class MaskLib:
         lib.mask_tile_all_visible.argtypes = [_int] * 10 + [_u8p]
         lib.dq_q_block.argtypes = [_int] * 4
         lib.dq_rotated_turn.argtypes = [_int] * 4
-        lib.dq_accumulator.argtypes = [_int] * 2
-        lib.dq_descending_turn.argtypes = [_int] * 3
         self.lib = lib
 
     def visible_matrix(self, sq, sk, left, right, rows=None, cols=None) -> np.ndarray:
@@ -433,22 +431,20 @@ def test_tile_all_visible_fast_path_report(masklib, request, record_property):
 # ----------------------------------------------------------------------------------------------------
 
 def simulate_dq_order(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True,
-                      rotated=False, accumulators=1):
+                      rotated=False):
     """The deterministic FA3 backward's schedule, one head and one dQ part: K block n visits the Q blocks of
     q_block_range(n) (upwards, or rotated: common/dq_order.cuh's dq_order_q_block) and may add into Q block
     m only when m's counter equals its turn (descending: n_end - 1 - n, as dq_turn; rotated:
     dq_order_rotated_turn; else n - n_first, the order before session 5); blocks are launched highest first
     into `resident` slots (as many blocks as the SMs hold), a slot freeing when its block finishes.
     `extra_blocks` blocks past the last key are launched too (a packed batch's shorter sequences).
-    ``accumulators=2`` (descending): even and odd K blocks each have their own counters and turns
-    (dq_order_accumulator, dq_order_descending_turn).
     Returns None when every block finishes and every counter reached its block count, else what stuck."""
     return run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=extra_blocks, resident=resident,
-                           descending=descending, rotated=rotated, accumulators=accumulators)[0]
+                           descending=descending, rotated=rotated)[0]
 
 
 def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True, rotated=False,
-                    one_add_per_round=False, accumulators=1):
+                    one_add_per_round=False):
     """simulate_dq_order's model; also returns the rounds it took. ``one_add_per_round``: in a round each
     running block makes at most one add (blocks running in step, one Q block each per step), so the rounds
     count the steps of the slowest block, waits included."""
@@ -460,18 +456,14 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
         count = max(0, hi - lo)
         work[n] = [lo + masklib.lib.dq_q_block(i, n, count, int(rotated)) for i in range(count)]
     kv = {m: tuple(int(x[0]) for x in masklib.kv_ranges(tile, sq, sk, left, right, m, 1)) for m in range(_ceil(sq, bm))}
-    lib = masklib.lib
-    assert accumulators == 1 or (descending and not rotated)
     if rotated:
         m_count = _ceil(sq, bm)
-        turn = lambda n, m: lib.dq_rotated_turn(n, m, kv[m][1] - kv[m][0], m_count)  # noqa: E731
+        turn = lambda n, m: masklib.lib.dq_rotated_turn(n, m, kv[m][1] - kv[m][0], m_count)  # noqa: E731
     elif descending:
-        turn = lambda n, m: lib.dq_descending_turn(n, kv[m][1], accumulators)  # noqa: E731
+        turn = lambda n, m: kv[m][1] - 1 - n  # noqa: E731
     else:
         turn = lambda n, m: n - kv[m][0]  # noqa: E731
-    # Counters per (accumulator, Q block): a block's add at Q block m goes to its accumulator's.
-    slot = lambda n, m: (lib.dq_accumulator(n, accumulators), m)  # noqa: E731
-    counter = {(a, m): 0 for a in range(accumulators) for m in kv}
+    counter = {m: 0 for m in kv}
     waiting = list(range(n_blocks - 1, -1, -1))  # launch order: highest first
     running = []
     rounds = 0
@@ -480,12 +472,12 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
             running.append(waiting.pop(0))
         rounds += 1
         moved = False
-        ready = [n for n in running if work[n] and counter[slot(n, work[n][0])] == turn(n, work[n][0])]
+        ready = [n for n in running if work[n] and counter[work[n][0]] == turn(n, work[n][0])]
         for n in list(running):
-            while work[n] and counter[slot(n, work[n][0])] == turn(n, work[n][0]):
+            while work[n] and counter[work[n][0]] == turn(n, work[n][0]):
                 if one_add_per_round and n not in ready:
                     break  # its turn came this round: the add is next round's
-                counter[slot(n, work[n].pop(0))] += 1
+                counter[work[n].pop(0)] += 1
                 moved = True
                 if one_add_per_round:
                     break
@@ -494,10 +486,7 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
                 moved = True
         if not moved:
             return f"stuck: blocks {running} wait at Q blocks {[work[n][0] for n in running]}", rounds
-    # every K block of [lo, hi) added once, in its accumulator
-    want = {(a, m): sum(1 for n in range(lo, hi) if lib.dq_accumulator(n, accumulators) == a)
-            for a in range(accumulators) for m, (lo, hi) in kv.items()}
-    short = {key: (counter[key], want[key]) for key in counter if counter[key] != want[key]}
+    short = {m: (counter[m], hi - lo) for m, (lo, hi) in kv.items() if counter[m] != max(0, hi - lo)}
     return (f"counters short of their block counts: {short}" if short else None), rounds
 
 
@@ -552,35 +541,16 @@ def test_rotated_dq_order_runs_in_step_without_a_chain(masklib, tile, sq, sk):
 ])
 def test_deterministic_dq_order_never_waits_forever(masklib, tile, sq, sk, causal, window):
     """Descending turns with the highest block launched first finish with any number of resident blocks
-    (down to one) and blocks past the last key, with one dQ accumulator or two (even and odd K blocks): a
-    block only ever waits for blocks launched before it.
+    (down to one) and blocks past the last key: a block only ever waits for blocks launched before it.
     The ascending order with the same launch order gets stuck under a causal mask: the model can fail."""
     left, right = kernel_window(sq, sk, causal, window)
     for resident in (1, 2, 5, 1000):
         for extra in (0, 3):
-            for accumulators in (1, 2):
-                stuck = simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=extra, resident=resident,
-                                          accumulators=accumulators)
-                assert stuck is None, (f"tile {tile}, {resident} resident, {extra} blocks past the end, "
-                                       f"{accumulators} accumulators: {stuck}")
+            stuck = simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=extra, resident=resident)
+            assert stuck is None, f"tile {tile}, {resident} resident, {extra} blocks past the end: {stuck}"
     if causal and sk >= 2 * tile[1]:
         assert simulate_dq_order(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=1,
                                  descending=False) is not None
-
-
-@pytest.mark.parametrize("tile", [(64, 128), (64, 64)])
-@pytest.mark.parametrize("sq, sk", [(1000, 1000), (2048, 2048), (300, 1900), (1900, 300)])
-def test_two_accumulators_halve_the_descending_chain(masklib, tile, sq, sk):
-    """Without a mask, every K block resident and running in step (one add per block and Q block in a
-    step): with one accumulator the descending order takes M + NK - 1 steps (block n's first add waits for
-    the chain of every block above it), with two (even and odd blocks each in their own order) M +
-    ceil(NK / 2) - 1: each chain is half as long."""
-    left, right = kernel_window(sq, sk, False, (-1, -1))
-    nk, mq = _ceil(sk, tile[1]), _ceil(sq, tile[0])
-    for accumulators, chain in ((1, nk), (2, _ceil(nk, 2))):
-        stuck, rounds = run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=nk,
-                                        one_add_per_round=True, accumulators=accumulators)
-        assert stuck is None and rounds == mq + chain - 1, (accumulators, rounds, mq, nk)
 
 
 def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
@@ -598,21 +568,3 @@ def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, True, (-1, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (256, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (-1, 0)), dims, 32, 132)
-
-
-def test_two_dq_accumulators_only_for_the_deterministic_descending_order(monkeypatch):
-    """cuflash.fa3.dq_accumulators: 1 outside deterministic mode and with the rotated order,
-    heuristics.FA3_DET_DQ_ACCUMULATORS (2) where the deterministic mode takes the descending order."""
-    from cuflash import fa3, heuristics
-    from cuflash._validate import Dims
-
-    monkeypatch.setattr(fa3, "_sm_count", lambda: 132)
-    assert heuristics.FA3_DET_DQ_ACCUMULATORS == 2
-    for n, d, causal, rotated in ((2048, 256, False, True), (8192, 256, False, False), (8192, 256, True, False),
-                                  (2048, 128, True, False), (8192, 128, False, True), (16384, 128, False, False)):
-        dims = Dims(batch=2, seqlen_q=n, seqlen_k=n, heads=8, kv_heads=8, headdim=d, dtype="bfloat16")
-        window = kernel_window(n, n, causal, (-1, -1))
-        assert fa3.dq_accumulators(dims, window) == 1
-        assert fa3.dq_accumulators(dims, window, deterministic=True) == (1 if rotated else 2), (n, d, causal)
-    monkeypatch.setattr(heuristics, "FA3_DET_DQ_ACCUMULATORS", 1)
-    assert fa3.dq_accumulators(dims, window, deterministic=True) == 1

@@ -3,7 +3,7 @@
 //   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
 //                   lse_rows is set, the forward's LSE in log2 units) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
-//   bwd_convert_dq: dQ = scale * dq_accum (plus a second accumulator, when set), rounded to the element type.
+//   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
 // row_shift (the FA3 backward's spare rows before row 0, fa3/bwd_roles.cuh): each head's dq_accum rows and
 // padded rows start with row_shift rows of padding, row i at i + row_shift; the preprocess writes the
 // padding of the LSE / D rows (+inf, 0: no probability flows there) and leaves dq_accum's (never read).
@@ -33,9 +33,6 @@ struct BwdAuxParams {
     const int* cu_seqlens_q;
     int varlen_batch;
     int row_shift;  // 0 with cu_seqlens_q
-    // 0, or the offset (in floats) of a second dQ accumulator of the same layout after dq_accum (the
-    // deterministic FA3 backward's odd K blocks, cuflash/fa3.py dq_accumulators): zeroed too, and added in.
-    i64 second_accum;
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -88,11 +85,6 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
         float4* zero = reinterpret_cast<float4*>(p.dq_accum + accum_row(p, rc) * D + c);
         zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
         zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (p.second_accum) {
-            float4* second = reinterpret_cast<float4*>(p.dq_accum + p.second_accum + accum_row(p, rc) * D + c);
-            second[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-            second[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
     }
     // The row's sum over its group (every lane of the warp takes part: groups are aligned within it).
 #pragma unroll
@@ -129,13 +121,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(con
     if (!rc.active()) return;
     const int c = rc.chunk * 8;
     const float4* src = reinterpret_cast<const float4*>(p.dq_accum + accum_row(p, rc) * D + c);
-    float4 x = src[0], y = src[1];
-    if (p.second_accum) {  // (in this order: the sum is the same bits at every run)
-        const float4* second = src + p.second_accum / 4;
-        const float4 x2 = second[0], y2 = second[1];
-        x = make_float4(x.x + x2.x, x.y + x2.y, x.z + x2.z, x.w + x2.w);
-        y = make_float4(y.x + y2.x, y.y + y2.y, y.z + y2.z, y.w + y2.w);
-    }
+    const float4 x = src[0], y = src[1];
     const float s = p.scale;
     uint4 out;
     out.x = elem_t::pack2(x.x * s, x.y * s);

@@ -8,12 +8,6 @@
 // for block n + 1's, which waits for n + 2's ..., and the lowest block of a head makes its first add
 // NK - 1 add latencies late (at d = 256, N = 2k, 32 K blocks of short work each: 0.70 of the default).
 //
-// Two accumulators (descending only; cuflash/fa3.py dq_accumulators): even K blocks add into one, odd ones
-// into a second, each in descending order, and the conversion sums the two (first + second). Running in
-// step, block n then waits for block n + 2, which reached the Q block two steps earlier: a block that falls
-// behind holds up half as many of the others. Launched highest first it still only waits for blocks
-// launched before it.
-//
 // Rotated (no mask bounding the rows, so every K block of a sequence touches each of its M Q blocks): K
 // block n starts at Q block n % M and wraps around. Q block m's adds go in the order the blocks reach it
 // when they run in step: by step j = (m - n % M) mod M, and among blocks of one step (n = n' mod M,
@@ -46,13 +40,4 @@ __device__ __forceinline__ int dq_order_rotated_turn(int n, int m, int n_count, 
     }
     const int same_step_above = (n_count - 1 - n) / m_count;  // n + m_count, n + 2 m_count, ... go first
     return j * per + with_extra + same_step_above;
-}
-
-// K block n's accumulator (0 or 1) with `accumulators` (1 or 2) of them, as above.
-__device__ __forceinline__ int dq_order_accumulator(int n, int accumulators) { return accumulators == 2 ? n & 1 : 0; }
-
-// K block n's turn at a Q block touched by K blocks [n_first, n_end) in the descending order: among the
-// blocks of its accumulator, those above it go first.
-__device__ __forceinline__ int dq_order_descending_turn(int n, int n_end, int accumulators) {
-    return (n_end - 1 - n) / accumulators;
 }

@@ -55,24 +55,20 @@ struct DqTile {
     int col, row, head, flag, turn;
 };
 
-// Deterministic mode: the accumulator (tile.head moves to its planes), the counter of Q block m's dQ part
-// `part` (of `parts` per block; head h) and the value that makes it K block n_block's turn: the K blocks that
-// touch the Q block add in descending block order (with two accumulators, even and odd K blocks each into
-// their own), or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q
-// block then). shift: Q block m holds rows from m BM - shift (row_shift_of).
+// Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
+// that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order,
+// or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q block then).
+// shift: Q block m holds rows from m BM - shift (row_shift_of).
 template <int BM, int BN>
 __device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
                                         int h, int m, int part, int parts, int shift) {
     const int q_blocks = (p.seqlen_q + shift + BM - 1) / BM;
     int n_first, n_end;
     mask.kv_block_range_rows<BN>(max(m * BM - shift, 0), min(m * BM + BM - shift, mask.seqlen_q) - 1, n_first, n_end);
-    const int acc = dq_order_accumulator(n_block, p.dq_accumulators);  // (1 with the rotated order: cuflash/fa3.py)
-    tile.head += acc * p.dq_accum_planes;
-    // (the launcher checks that the counters number fewer than 2^31)
-    tile.flag = (((acc * p.batch + batch) * p.heads + h) * q_blocks + m) * parts + part;
+    tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part;  // (the launcher checks it fits an int)
     tile.turn = p.rotate_q_blocks
                     ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + shift + BM - 1) / BM)
-                    : dq_order_descending_turn(n_block, n_end, p.dq_accumulators);
+                    : n_end - 1 - n_block;
 }
 
 // Query rows before row 0 in the first Q block (cuflash/fa3.py, tile_order.bwd_row_shift: under a causal

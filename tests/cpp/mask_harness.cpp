@@ -101,7 +101,5 @@ int mask_tile_all_visible(int bm, int bn, int sq, int sk, int left, int right, i
 // common/dq_order.cuh: the deterministic FA3 backward's walk over Q blocks and its rotated turn order.
 int dq_q_block(int i, int n, int m_count, int rotated) { return dq_order_q_block(i, n, m_count, rotated != 0); }
 int dq_rotated_turn(int n, int m, int n_count, int m_count) { return dq_order_rotated_turn(n, m, n_count, m_count); }
-int dq_accumulator(int n, int accumulators) { return dq_order_accumulator(n, accumulators); }
-int dq_descending_turn(int n, int n_end, int accumulators) { return dq_order_descending_turn(n, n_end, accumulators); }
 
 }  // extern "C"
