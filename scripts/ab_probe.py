@@ -22,7 +22,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              (CUFLASH_PROBE_NO_DQ_ADD: what they cost; dQ is wrong then)
   bwd-det    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: the default against the
              deterministic mode (issue 5: within 15 %)
-  bwd-det-cost  FA3 backward d = 256, N = 2k and 8k, causal and not: where the deterministic mode's time
+  bwd-det-cost  FA3 backward d = 128 and 256, N = 2k and 8k, causal and not: where the deterministic mode's time
              goes (the default launched highest first; deterministic without waiting for turns)
   bwd-rows   FA3 backward d = 64, N = 2k ... 16k, causal and not: the rows per step of
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
@@ -154,7 +154,7 @@ def list_variants() -> list:
         out.append(fa3.bwd_variant(256, "bfloat16", block_m=fa3.bwd_block_m(256, False)))
     for defines in DET_COST_DEFINES.values():
         with bwd_defines(*defines):
-            out.append(fa3.bwd_variant(256, "bfloat16", block_m=fa3.bwd_block_m(256, False)))
+            out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (128, 256)]
     for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             for n in (2048, 8192):
@@ -297,16 +297,17 @@ def bwd_det(rounds, reps):
 
 
 HIGHEST_FIRST, LOWEST_FIRST = (("CUFLASH_PROBE_LAUNCH_ORDER", 1),), (("CUFLASH_PROBE_LAUNCH_ORDER", 0),)
-NO_TURN = (("CUFLASH_PROBE_DET_NO_TURN", 1),)
+NO_TURN, NO_WAIT_ALL = (("CUFLASH_PROBE_DET_NO_TURN", 1),), (("CUFLASH_PROBE_DET_NO_WAIT_ALL", 1),)
 DET_COST_DEFINES = {"default, highest first": HIGHEST_FIRST, "det, no turn": NO_TURN,
-                    "det, no turn, lowest first": NO_TURN + LOWEST_FIRST}
+                    "det, no turn, lowest first": NO_TURN + LOWEST_FIRST, "det, no wait-all": NO_WAIT_ALL,
+                    "det, no turn, no wait-all": NO_TURN + NO_WAIT_ALL}
 
 
 def bwd_det_cost(rounds, reps):
-    """FA3 backward d = 256: where the deterministic mode's time goes. The default; the default launched
+    """FA3 backward d = 128 and 256: where the deterministic mode's time goes. The default; the default launched
     highest K block first (deterministic mode's order: what the causal tail costs); deterministic; and
     deterministic without waiting for turns (dQ unordered: what the chain of turns costs), launched highest
-    or lowest first."""
+    or lowest first, not rotated, and without (or only without) waiting for each add to land."""
     mode = {}
 
     def config(deterministic, defines=()):
@@ -320,7 +321,16 @@ def bwd_det_cost(rounds, reps):
 
     configs = {"default": config(False), "deterministic": config(True)}
     configs.update({name: config(name.startswith("det"), defines) for name, defines in DET_COST_DEFINES.items()})
-    bwd_interleaved(configs, (256,), (2048, 8192), rounds, reps,
+
+    @contextmanager
+    def no_rotation():  # (the rotated order's walk reads other Q blocks than its neighbours at each step)
+        mode["deterministic"] = True
+        with bwd_defines(*NO_TURN), replaced(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0):
+            yield
+        mode.clear()
+
+    configs["det, no turn, not rotated"] = no_rotation
+    bwd_interleaved(configs, (128, 256), (2048, 8192), rounds, reps,
                     extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
 
 

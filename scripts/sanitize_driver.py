@@ -119,7 +119,6 @@ def _cases(name, direction):
         for d in (dims[0], dims[-1]):
             cases.append(dict(b=2, sq=133, sk=77, h=4, hkv=2, d=d, dtype="bfloat16", causal=False, deterministic=True))
         # causal: the K blocks reach a Q block at different steps (the order of their turns matters)
-        # (two dQ accumulators, fa3.dq_accumulators: even and odd K blocks add in their own orders)
         for d in (dims[0], dims[-1]):
             cases.append(dict(b=1, sq=300, sk=300, h=4, hkv=2, d=d, dtype="bfloat16", causal=True,
                               deterministic=True))

@@ -249,26 +249,6 @@ def test_backward_deterministic_is_bit_identical(d, causal):
             assert bool((a.view("uint16") == b.view("uint16")).all())
 
 
-@pytest.mark.parametrize("d", [64, 256])  # (fa3/bwd.cu, fa3/bwd_wide.cu)
-@pytest.mark.parametrize("accumulators", [1, 2])
-def test_backward_deterministic_descending_with_one_or_two_accumulators(monkeypatch, poison_allocations, d,
-                                                                      accumulators):
-    """Without a mask, in the descending order (the rotated one switched off), with one dQ accumulator or
-    two (even and odd K blocks each in their own order, summed by the conversion): right and bit-identical
-    run to run."""
-    from cuflash import _validate, heuristics
-
-    monkeypatch.setattr(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0)
-    monkeypatch.setattr(heuristics, "FA3_DET_DQ_ACCUMULATORS", accumulators)
-    dims = _validate.Dims(2, 700, 900, 4, 2, d, "bfloat16")
-    assert fa3.dq_accumulators(dims, _validate.window_bounds((-1, -1), False, dims), deterministic=True) == accumulators
-    q, k, v = _inputs(np.random.default_rng(), 2, 700, 900, 4, 2, d, "bfloat16")
-    dout, out, lse, first = check_backward("fa3", q, k, v, deterministic=True)
-    again = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="fa3", deterministic=True)
-    for a, b in zip(first, again):
-        assert bool((a.view("uint16") == b.view("uint16")).all())
-
-
 def test_backward_deterministic_with_a_window(poison_allocations):
     """A window changes which K blocks touch a Q block (the turn order starts at the first of them)."""
     q, k, v = _inputs(np.random.default_rng(), 1, 700, 900, 4, 4, 128, "bfloat16")

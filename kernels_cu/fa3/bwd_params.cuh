@@ -28,8 +28,4 @@ struct Fa3BwdParams {
     // Query rows of the first Q block before row 0 (fa3/bwd_roles.cuh row_shift_of; fa3/bwd.cu only, 0 for
     // fa3/bwd_wide.cu and packed batches; cuflash/fa3.py backward).
     int row_shift;
-    // Deterministic mode: 1, or 2 dQ accumulators (cuflash/fa3.py dq_accumulators): K blocks of odd index add
-    // into a second one, dq_accum_planes (batch x heads, or heads for packed batches) planes of the dQ tensor
-    // map after the first, each accumulator with its own descending order (fa3/bwd_roles.cuh dq_turn).
-    int dq_accumulators, dq_accum_planes;
 };

@@ -34,7 +34,11 @@ static_assert(!(CUFLASH_STORE_DKV_TMA && CUFLASH_VARLEN), "packed batches store 
 // Timing probes only (scripts/ab_probe.py bwd-det-cost; with either, deterministic dQ is not ordered):
 // CUFLASH_PROBE_LAUNCH_ORDER 0 / 1 launches the lowest / highest K block first whatever p says (-1: as p
 // says); CUFLASH_PROBE_DET_NO_TURN 1 makes a deterministic writer add without waiting for its turn (it still
-// waits for each add to land and passes the turn on).
+// waits for each add to land and passes the turn on); CUFLASH_PROBE_DET_NO_WAIT_ALL 1 makes it pass the turn
+// on without waiting for its add to land.
+#ifndef CUFLASH_PROBE_DET_NO_WAIT_ALL
+#define CUFLASH_PROBE_DET_NO_WAIT_ALL 0
+#endif
 #ifndef CUFLASH_PROBE_LAUNCH_ORDER
 #define CUFLASH_PROBE_LAUNCH_ORDER -1
 #endif
@@ -190,7 +194,7 @@ __device__ __forceinline__ void write_dq_tiles(Smem& sm, const TensorMap* map_dq
         tma_store_wait_read();  // TMA has read the tile: the buffer is free
         mbar_arrive(&sm.dq_empty[c][s]);
         if (p.dq_semaphore) {
-            tma_store_wait_all();  // the adds are in global memory ...
+            if (!CUFLASH_PROBE_DET_NO_WAIT_ALL) tma_store_wait_all();  // the adds are in global memory ...
             fence_async_global();
             st_release(flag, turn + 1);  // ... before the next K block may add
         }
