@@ -17,7 +17,7 @@ from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fil
                       pointer_fields, smem_tile_bytes, stride_fields)
 from ._validate import Dims
 from .heuristics import (FA2_BWD_TILES, FA2_BWD_TILES_PLAIN, FA2_BWD_TILES_PLAIN_SM90, FA2_BWD_TILES_SMALL_SMEM,
-                         FA2_TILES)
+                         FA2_TILES, FA2_TILES_SM90)
 
 FAMILY = "fa2"
 HEADDIMS = tuple(sorted(FA2_TILES))
@@ -52,12 +52,13 @@ def _feature_defines(dtype: str, softcap: bool, alibi: bool, dropout: bool) -> t
             ("CUFLASH_DROPOUT", int(dropout)))
 
 
-def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False):
-    """The tiles of a forward variant: the table's, except that with all three optional features at once
-    a warp takes one 16-row m-tile instead of two (twice the warps): their extra registers (tanh, the
-    ALiBi distance, the Philox state) made ptxas spill at d = 128 on sm_80. Q stays in registers
-    (``q_in_regs``) only in the plain variant (no softcap, ALiBi or dropout)."""
-    t = FA2_TILES[headdim]
+def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout: bool = False, sm90: bool = False):
+    """The tiles of a forward variant: FA2_TILES_SM90's row on sm_90 (``sm90``) without dropout, else
+    FA2_TILES'; except that with all three optional features at once a warp takes one 16-row m-tile instead
+    of two (twice the warps): their extra registers (tanh, the ALiBi distance, the Philox state) made ptxas
+    spill at d = 128 on sm_80. Q stays in registers (``q_in_regs``) only in the plain variant (no softcap,
+    ALiBi or dropout)."""
+    t = FA2_TILES_SM90[headdim] if sm90 and not dropout and headdim in FA2_TILES_SM90 else FA2_TILES[headdim]
     if softcap and alibi and dropout and t.block_m // t.warps > 16:
         t = dataclasses.replace(t, warps=t.block_m // 16)
     if t.q_in_regs and (softcap or alibi or dropout):  # Q in registers fits only next to the plain softmax
@@ -65,8 +66,10 @@ def fwd_tiles(headdim: int, softcap: bool = False, alibi: bool = False, dropout:
     return t
 
 
-def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False) -> Variant:
-    t = fwd_tiles(headdim, softcap, alibi, dropout)
+def fwd_variant(headdim: int, dtype: str, softcap: bool = False, alibi: bool = False, dropout: bool = False,
+                sm90: bool = False) -> Variant:
+    """``sm90``: the GPU it runs on is sm_90 (fwd_tiles)."""
+    t = fwd_tiles(headdim, softcap, alibi, dropout, sm90)
     swizzled = headdim % 64 == 0
     kv_bytes = 2 * t.kv_stages * smem_tile_bytes(t.block_n, headdim, swizzled)
     smem = smem_tile_bytes(t.block_m, headdim, swizzled) + kv_bytes
@@ -137,7 +140,7 @@ def all_variants(arch: str = "sm_80") -> list[Variant]:
     for dtype in DTYPE_CODES:
         for d in HEADDIMS:
             for softcap, alibi, dropout in itertools.product((False, True), repeat=3):
-                out.append(fwd_variant(d, dtype, softcap, alibi, dropout))
+                out.append(fwd_variant(d, dtype, softcap, alibi, dropout, sm90))
                 out.append(bwd_variant(d, dtype, softcap, alibi, dropout, sm90, max_smem))
     return out
 
@@ -166,7 +169,9 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     (cu_seqlens_q, cu_seqlens_k) int32 arrays for packed variable-length inputs, with ``dims`` carrying
     the maximum lengths. ``dropout``: None or (p, seed, offset).
     """
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, alibi_slopes is not None, dropout is not None)
+    features = (softcap > 0, alibi_slopes is not None, dropout is not None)
+    sm90 = compute_capability(device_id())[0] == 9
+    variant = fwd_variant(dims.headdim, dims.dtype, *features, sm90)
     cu_q, cu_k = cu_seqlens or (None, None)
     p = np.zeros(1, FWD_PARAMS)
     for name, a in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse), ("alibi_slopes", alibi_slopes),
@@ -178,7 +183,7 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     _dropout_fields(p, dropout)
-    block_m = fwd_tiles(dims.headdim, softcap > 0, alibi_slopes is not None, dropout is not None).block_m
+    block_m = fwd_tiles(dims.headdim, *features, sm90).block_m
     grid = ((dims.seqlen_q + block_m - 1) // block_m, dims.heads, dims.batch)
     launch(variant, grid, (p,), stream)
 

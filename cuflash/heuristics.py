@@ -59,7 +59,7 @@ FA2_TILES = {
     # One K and one V buffer of 128 keys (80 KB, 242 registers: two blocks per SM), one m-tile per warp.
     # H200 (scripts/tune_fa2.py, session 11, TF/s at N = 2k / 8k, x torch flash in the same run): 320 / 327
     # (0.92 / 0.91), causal 273 / 316 (0.96 / 0.99), against the former 128 x 64 tiles computed 32 keys at a
-    # time in a two-stage ring, 309 / 321 (0.89), causal 254 / 295 (0.89 / 0.92).
+    # time in a two-stage ring, 309 / 321 (0.89), causal 254 / 295 (0.89 / 0.92). On sm_90: FA2_TILES_SM90.
     128: Fa2Tiles(block_m=64, block_n=128, warps=4, kv_stages=1),
     192: Fa2Tiles(block_m=64, block_n=32, warps=4),
     # One K and one V buffer (FlashAttention-2's schedule, kv_stages=1) let 64-key tiles keep two blocks per
@@ -68,6 +68,16 @@ FA2_TILES = {
     # (1.01 / 1.03 x torch flash, which runs this tile), causal 277 / 307 (1.03 / 1.06), against 64 x 32's
     # 275 / 280, causal 236 / 262 (0.85-0.91).
     256: Fa2Tiles(block_m=64, block_n=64, warps=4, kv_stages=1),
+}
+# head dim -> the FA2 forward's tiles on sm_90 for calls without dropout (fa2.fwd_tiles), where they differ
+# from FA2_TILES. d = 128: one K and one V buffer of 64 keys, two m-tiles (32 rows) per warp -- torch flash's
+# own tile (64 KB, 255 registers: two blocks per SM; the copies' per-thread offsets are read from shared
+# memory, fa2/fwd.cu, or ptxas spills). H200 (scripts/tune_fa2.py, session 21, TF/s at N = 2k / 8k, x torch
+# flash in the same run): 363 / 382 (1.05 / 1.06), causal 300 / 339 (1.05 / 1.10), against FA2_TILES' 64 x
+# 128 one m-tile per warp 321 / 310-328 (0.92 / 0.86-0.91), causal 275 / 313 (0.96 / 1.01). Not elsewhere:
+# NVRTC 13.5 spills it for sm_80 / sm_86 (8-64 bytes), and with dropout (the Philox state) for sm_90 too.
+FA2_TILES_SM90 = {
+    128: Fa2Tiles(block_m=128, block_n=64, warps=4, kv_stages=1),
 }
 
 

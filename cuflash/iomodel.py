@@ -686,11 +686,12 @@ def _naive(s: _Shape, direction: str, matmul: str) -> tuple[list[_Kernel], int]:
 
 def _tiles(impl: str, direction: str, headdim: int, block_m, block_n, hopper: bool) -> dict:
     """Tile sizes of one kernel: the row the launcher takes for the head dim (a call without softcap,
-    ALiBi or dropout; ``hopper``: on sm_90, where FA2's backward has rows of its own), overridden where
-    given."""
+    ALiBi or dropout; ``hopper``: on sm_90, where FA2 has rows of its own), overridden where given."""
     if direction == "forward":
         table = heuristics.FA1_TILES if impl == "fa1" else heuristics.FA2_TILES
         row = table.get(headdim)
+        if impl == "fa2" and row is not None:
+            row = fa2.fwd_tiles(headdim, sm90=hopper)
         if row is None and (block_m is None or block_n is None):
             raise ValueError(f"{impl} has no {direction} tiles for head dim {headdim} (table: {sorted(table)}); "
                              f"pass block_m= and block_n=")

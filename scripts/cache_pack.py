@@ -32,13 +32,14 @@ def probe_variants() -> list:
     import tune_fa2_bwd
 
     variants = list(fa3_exp2_probe.probe_variants([64, 128], [0, 8, 4, 2])) + ab_probe.list_variants()
-    tables = (heuristics.FA2_TILES, heuristics.FA2_BWD_TILES, heuristics.FA2_BWD_TILES_PLAIN,
+    tables = (heuristics.FA2_TILES, heuristics.FA2_TILES_SM90, heuristics.FA2_BWD_TILES, heuristics.FA2_BWD_TILES_PLAIN,
               heuristics.FA2_BWD_TILES_PLAIN_SM90)
     with ab_probe.tables_edited(tables, lambda table: None):  # (the edits below undone after)
         # the tune stage's FA2 candidates (each script's use() sets the tables the same way)
         for d in tune_fa2.CANDIDATES:
             for tiles in tune_fa2.CANDIDATES[d]:
                 heuristics.FA2_TILES[d] = tiles
+                heuristics.FA2_TILES_SM90.pop(d, None)
                 variants.append(fa2.fwd_variant(d, "bfloat16"))
         for d in tune_fa2_bwd.CANDIDATES:
             heuristics.FA2_BWD_TILES_PLAIN.pop(d, None)

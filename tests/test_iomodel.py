@@ -60,7 +60,7 @@ def test_naive_bytes_per_score():
 @pytest.mark.parametrize("impl", ["fa1", "fa2"])
 def test_flash_forward_is_quadratic_only_through_kv(impl):
     d = 128
-    t = (heuristics.FA1_TILES if impl == "fa1" else heuristics.FA2_TILES)[d]
+    t = heuristics.FA1_TILES[d] if impl == "fa1" else fa2.fwd_tiles(d, sm90=True)  # (the model's default: hopper)
     a, b = fwd(impl, 2048, d), fwd(impl, 4096, d)
     for arr in ("q", "o", "lse"):  # read / written once: linear in N
         assert b["breakdown"][arr] == 2 * a["breakdown"][arr]
@@ -529,7 +529,7 @@ def test_flash_forward_far_below_naive_at_16k(d):
         ratio = naive["hbm_bytes"] / r["hbm_bytes"]
         # no L2 reuse: naive moves 56 B per score, FA 4·e·d/BLOCK_M (64-row Q blocks at d = 128, fa1's and
         # fa2's: 8 B -> 7x)
-        block_m = {"fa1": heuristics.FA1_TILES, "fa2": heuristics.FA2_TILES}[impl][d].block_m
+        block_m = (heuristics.FA1_TILES[d] if impl == "fa1" else fa2.fwd_tiles(d, sm90=True)).block_m
         assert ratio >= (5 if (d, block_m) == (128, 64) else 10), (impl, d, ratio)
         # compulsory traffic: linear in N against naive's N^2
         assert naive["hbm_bytes_min"] / r["hbm_bytes_min"] >= 100
@@ -565,7 +565,7 @@ def test_wave_bound_between_compulsory_and_no_reuse():
 
 def test_tiles_from_tables_and_overrides():
     assert fwd("fa1", 1024, 128)["tiles"] == {"block_m": 64, "block_n": 64}
-    t2 = heuristics.FA2_TILES[128]
+    t2 = fa2.fwd_tiles(128, sm90=True)  # (predict's default: hopper=True)
     assert fwd("fa2", 1024, 128)["tiles"] == {"block_m": t2.block_m, "block_n": t2.block_n, "warps": t2.warps}
     t1 = heuristics.FA1_TILES[256]
     assert bwd("fa1", 1024, 256)["tiles"] == {"block_m": 16 * t1.bwd_key_warps, "block_n": 16 * t1.bwd_key_warps,

@@ -171,7 +171,7 @@ def test_cache_pack_names_the_entries_the_package_reads_and_leaves_the_tables_al
     sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
     import cache_pack
 
-    names = ("FA2_TILES", "FA2_BWD_TILES", "FA2_BWD_TILES_PLAIN", "FA2_BWD_TILES_PLAIN_SM90")
+    names = ("FA2_TILES", "FA2_TILES_SM90", "FA2_BWD_TILES", "FA2_BWD_TILES_PLAIN", "FA2_BWD_TILES_PLAIN_SM90")
     tables = {name: copy.deepcopy(getattr(heuristics, name)) for name in names}
     extra = cache_pack.probe_variants()
     assert {name: getattr(heuristics, name) for name in names} == tables

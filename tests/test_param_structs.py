@@ -13,7 +13,7 @@ STRUCTS = [
     ("Fa2FwdParams", fa2.FWD_PARAMS, "fa2/params.cuh", ()),
     ("Fa2BwdParams", fa2.BWD_PARAMS, "fa2/params.cuh", ()),
     ("Fa3FwdParams", fa3.PARAMS, "fa3/params.cuh", ()),
-    ("Fa3BwdParams", fa3.BWD_PARAMS, "fa3/params.cuh", ()),
+    ("Fa3BwdParams", fa3.BWD_PARAMS, "fa3/bwd_params.cuh", ()),
     ("BwdAuxParams", _bwd_aux.PARAMS, "common/bwd_aux.cu", (("CUFLASH_HEADDIM", 64), ("CUFLASH_DTYPE", 0))),
     ("DecodeParams", decode.FWD_PARAMS, "decode/params.cuh", ()),
     ("AppendParams", decode.APPEND_PARAMS, "decode/params.cuh", ()),
@@ -47,6 +47,6 @@ def test_probe_catches_a_moved_field(tmp_path, monkeypatch):
     names[0], names[1] = names[1], names[0]
     swapped = np.dtype([(n, fa3.BWD_PARAMS.fields[n][0]) for n in names], align=True)
     src = tmp_path / "probe_swapped.cu"
-    src.write_text(layout_probe("Fa3BwdParams", swapped, "fa3/params.cuh"))
+    src.write_text(layout_probe("Fa3BwdParams", swapped, "fa3/bwd_params.cuh"))
     with pytest.raises(_jit.CompileError, match="Fa3BwdParams.cu_seqlens"):
         _jit.compile_variant(_jit.Variant("probe", str(src), "probe", ()), "sm_80")

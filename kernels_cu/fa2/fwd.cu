@@ -77,9 +77,15 @@ __device__ __forceinline__ void cp_async_16_at(u32 smem, const void* gmem, int s
 // depends on row % 8 only, so the destination of step `it` is that of step it % PERIOD plus a constant
 // (an immediate offset). Same copy as bwd.cu's load_tile_unrolled, generalised to STEP < 8 (d = 256).
 // Tiles whose chunk count does not divide the block (d = 96, 192) keep the common loop.
+// One K / V buffer and two m-tiles per warp (d = 128 on sm_90, 128 x 64 tiles): the loop needs all 255
+// registers, and ptxas spilled what the copies keep per thread across it (a 64-bit row offset per K and per
+// V stride, a destination per tile). Then each thread's first element of a K and of a V tile (r0 row_stride
+// + c) is read from shared memory at each copy (`lane_offset`), and the destinations share one offset.
+constexpr bool LANE_OFFSETS_IN_SMEM = KV_STAGES == 1 && MT >= 2;
+
 template <int ROWS, int COLS, bool SW>
 __device__ __forceinline__ void load_tile(SmemTile<ROWS, COLS, SW>& tile, const u16* src, i64 row_stride,
-                                          int rows_valid) {
+                                          int rows_valid, const i64* lane_offset = nullptr) {
     constexpr int CHUNKS = COLS / 8;
     constexpr int STEP = THREADS / CHUNKS;  // rows between one thread's chunks (when CHUNKS divides THREADS)
     if constexpr (THREADS % CHUNKS != 0 || (SW && STEP % 8 != 0 && 8 % STEP != 0)) {
@@ -91,8 +97,14 @@ __device__ __forceinline__ void load_tile(SmemTile<ROWS, COLS, SW>& tile, const 
         const int r0 = threadIdx.x / CHUNKS, c = (threadIdx.x % CHUNKS) * 8;
         u32 dst[PERIOD];
 #pragma unroll
-        for (int i = 0; i < PERIOD; ++i) dst[i] = smem_addr(tile.at(r0 + i * STEP, c));
-        const u16* s = src + r0 * row_stride + c;
+        for (int i = 0; i < PERIOD; ++i) {
+            if constexpr (LANE_OFFSETS_IN_SMEM)  // (the tile's base plus an offset that every K / V tile shares)
+                dst[i] = smem_addr(tile.data) +
+                         u32(reinterpret_cast<char*>(tile.at(r0 + i * STEP, c)) - reinterpret_cast<char*>(tile.data));
+            else
+                dst[i] = smem_addr(tile.at(r0 + i * STEP, c));
+        }
+        const u16* s = src + (lane_offset ? *lane_offset : r0 * row_stride + c);
         const i64 step_stride = STEP * row_stride;
 #pragma unroll
         for (int it = 0; it < STEPS; ++it) {
@@ -328,18 +340,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
     // with P_{n-1} V_{n-1}, so V_n may overwrite it; the second (V_n landed) that every warp is done with
     // Q K_n^T, so K_{n+1} may overwrite K_n.
     if constexpr (KV_STAGES == 1) {
+        const i64* k_offset = nullptr;  // (LANE_OFFSETS_IN_SMEM, above load_tile)
+        const i64* v_offset = nullptr;
+        if constexpr (LANE_OFFSETS_IN_SMEM) {
+            __shared__ i64 lane_offset[2][THREADS];
+            const int r0 = threadIdx.x / (D / 8), c = (threadIdx.x % (D / 8)) * 8;
+            lane_offset[0][threadIdx.x] = r0 * p.k_row_stride + c;
+            lane_offset[1][threadIdx.x] = r0 * p.v_row_stride + c;
+            k_offset = &lane_offset[0][threadIdx.x];
+            v_offset = &lane_offset[1][threadIdx.x];
+        }
         for (int n = n_lo; n < n_hi; ++n) {
             const int key0 = n * BN, next_key0 = key0 + BN;
             cp_async_wait<0>();
             __syncthreads();
-            load_tile(sm.v[0], v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0);
+            load_tile(sm.v[0], v + key0 * p.v_row_stride, p.v_row_stride, seq.seqlen_k - key0, v_offset);
             cp_async_commit();
             Frag s[MT][KN / 8];
             qk_product(q_op, k_addr, 0, 0, s);
             cp_async_wait<0>();
             __syncthreads();
             if (n + 1 < n_hi) {
-                load_tile(sm.k[0], k + next_key0 * p.k_row_stride, p.k_row_stride, seq.seqlen_k - next_key0);
+                load_tile(sm.k[0], k + next_key0 * p.k_row_stride, p.k_row_stride, seq.seqlen_k - next_key0,
+                          k_offset);
                 cp_async_commit();
             }
             scores_to_p(s, !mask.tile_all_visible<BM, BN>(m_block, n), key0);
