@@ -24,6 +24,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              deterministic mode (issue 5: within 15 %)
   bwd-det-cost  FA3 backward d = 128 and 256, N = 2k and 8k, causal and not: where the deterministic mode's time
              goes (the default launched highest first; deterministic without waiting for turns)
+  bwd-det-heads  FA3 backward d = 256, N = 8k, causal and not: deterministic against the default with 1, 2, 4
+             and 16 heads in the grid (one head: every K block in one wave, the turns a chain of hand-offs)
   bwd-rows   FA3 backward d = 64, N = 2k ... 16k, causal and not: the rows per step of
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
@@ -44,7 +46,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -334,6 +336,38 @@ def bwd_det_cost(rounds, reps):
                     extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
 
 
+def bwd_det_heads(rounds, reps):
+    """FA3 backward d = 256, N = 8k, causal and not: deterministic against the default by the (batch x heads)
+    of the grid, 1 to 16. One head puts all 128 K blocks in one wave: each Q block's 128 adds are a chain of
+    hand-offs (an add landing, its turn passed on, the next block seeing it), and the more heads share the
+    GPU the more of that chain hides behind other heads' work (session 21: 0.51 / 0.62 / 0.72 / 0.875 at 1 /
+    2 / 4 / 16 heads, non-causal)."""
+    import cuflash
+
+    n, d = 8192, 256
+    mode = {}
+
+    @contextmanager
+    def deterministic():
+        mode["deterministic"] = True
+        yield
+        mode.clear()
+
+    for causal in (False, True):
+        for b, h in ((1, 1), (1, 2), (1, 4), (2, 8)):
+            q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+                           for _ in range(4))
+            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+
+            def call():
+                kw = dict(causal=causal, impl="fa3", deterministic=mode.get("deterministic", False))
+                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, **kw)
+
+            interleaved(f"fa3 backward d={d} N=8k {b}x{h} heads causal={causal}",
+                        {"default": as_is, "deterministic": deterministic}, call, flops, rounds, reps)
+
+
 def bwd_rows(rounds, reps):
     """FA3 backward at d = 64, causal and not: the table's rows per step (FA3_BWD_BLOCK_M) against 80 and 64."""
     rows = lambda bm: tables_edited((heuristics.FA3_BWD_BLOCK_M,), lambda table: table.update({64: bm}))  # noqa: E731
@@ -482,7 +516,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
-            "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
+            "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-order": fwd_order, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
