@@ -6,7 +6,8 @@ Prints one line per (head dim, N, causal, config) at the FlashAttention benchmar
 hidden 2048, bf16) for N = 2048 and 8192, with the config's registers / spill bytes from this machine's
 NVRTC (the table must not take a row that spills) and "err", the largest |O - torch flash's O| over the largest
 |O| (bf16 rounding: ~1e-2; WRONG marks a candidate that computes something else). Pick the fastest spill-free
-row per head dim and put it in heuristics.FA2_TILES (rows above 99 KB of shared memory need a per-arch table
+row per head dim and put it in heuristics.FA2_TILES (or FA2_TILES_SM90 when it is spill-free and fastest on
+sm_90 only; rows above 99 KB of shared memory need a per-arch table
 first: sm_86/sm_89; and with all of softcap, ALiBi and dropout fa2.fwd_tiles gives a block one warp per 16 rows,
 16 warps of at most 128 registers for 256-row tiles: compile-check those variants before taking such a row).
 """
