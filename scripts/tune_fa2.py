@@ -31,7 +31,9 @@ T = heuristics.Fa2Tiles
 # 8k non-causal shape was 4-9 % low: the repeat below catches that). The table rows are candidates here still,
 # for the next idea to be measured against.
 CANDIDATES = {
-    64: [T(128, 128, 4, 64, True)],
+    # (d = 64: 128 x 64 with one K / V buffer, FA2's own schedule, as d = 128 took on sm_90 in session 21;
+    # spill-free for sm_90a under NVRTC 13.0, 246 / 242 registers; not timed yet)
+    64: [T(128, 128, 4, 64, True), T(128, 64, 4, 0, True, kv_stages=1), T(128, 64, 4, 0, False, kv_stages=1)],
     # (d = 128: the sm_90 table's row, then FA2_TILES' -- session 21 took 128 x 64 x 4 warps there: 1.05-1.10 x
     # torch flash against 0.86-1.01)
     128: [T(128, 64, 4, 0, False, kv_stages=1), T(64, 128, 4, 0, False, kv_stages=1)],
