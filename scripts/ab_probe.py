@@ -53,7 +53,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
 import argparse
 import dataclasses
 import statistics
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import cupy
 
@@ -284,18 +284,36 @@ def bwd_interleaved(configs, headdims, seqlens, rounds, reps, extra_kwargs=dict)
                 interleaved(f"fa3 backward d={d} N={n} causal={causal}", configs, call, flops, rounds, reps)
 
 
+class DetMode:
+    """Configurations that call the backward in deterministic mode or not: ``config(deterministic, *ctx)``
+    makes one (each use a fresh context manager, entering the context managers ``ctx`` too); ``kwargs()`` is
+    the flash_attn_backward argument of the configuration being timed."""
+
+    def __init__(self):
+        self.deterministic = False
+
+    def config(self, deterministic, *contexts):
+        @contextmanager
+        def run():
+            self.deterministic = deterministic
+            try:
+                with ExitStack() as stack:
+                    for ctx in contexts:
+                        stack.enter_context(ctx)
+                    yield
+            finally:
+                self.deterministic = False
+        return run
+
+    def kwargs(self):
+        return {"deterministic": self.deterministic}
+
+
 def bwd_det(rounds, reps):
     """FA3 backward, the default against the deterministic mode (issue 5: within 15 %)."""
-    mode = {}
-
-    @contextmanager
-    def deterministic():
-        mode["deterministic"] = True
-        yield
-        mode.clear()
-
-    bwd_interleaved({"default": as_is, "deterministic": deterministic}, (64, 128, 256), (2048, 8192), rounds, reps,
-                    extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
+    mode = DetMode()
+    bwd_interleaved({"default": as_is, "deterministic": mode.config(True)}, (64, 128, 256), (2048, 8192), rounds,
+                    reps, extra_kwargs=mode.kwargs)
 
 
 HIGHEST_FIRST, LOWEST_FIRST = (("CUFLASH_PROBE_LAUNCH_ORDER", 1),), (("CUFLASH_PROBE_LAUNCH_ORDER", 0),)
@@ -310,30 +328,35 @@ def bwd_det_cost(rounds, reps):
     highest K block first (deterministic mode's order: what the causal tail costs); deterministic; and
     deterministic without waiting for turns (dQ unordered: what the chain of turns costs), launched highest
     or lowest first, not rotated, and without (or only without) waiting for each add to land."""
-    mode = {}
+    mode = DetMode()
+    # (each entry a function: the context managers are made afresh at each use)
+    configs = {"default": mode.config(False), "deterministic": mode.config(True)}
+    for name, defines in DET_COST_DEFINES.items():
+        configs[name] = lambda det=name.startswith("det"), defines=defines: mode.config(det, bwd_defines(*defines))()
+    # (the rotated order's walk reads other Q blocks than its neighbours at each step)
+    configs["det, no turn, not rotated"] = lambda: mode.config(
+        True, bwd_defines(*NO_TURN), replaced(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0))()
+    bwd_interleaved(configs, (128, 256), (2048, 8192), rounds, reps, extra_kwargs=mode.kwargs)
 
-    def config(deterministic, defines=()):
-        @contextmanager
-        def run():
-            mode["deterministic"] = deterministic
-            with bwd_defines(*defines):
-                yield
-            mode.clear()
-        return run
 
-    configs = {"default": config(False), "deterministic": config(True)}
-    configs.update({name: config(name.startswith("det"), defines) for name, defines in DET_COST_DEFINES.items()})
+def bwd_by_heads(label, configs, mode, heads, rounds, reps):
+    """FA3 backward d = 256, N = 8k, causal and not, with (batch, heads) from ``heads`` in the grid:
+    ``configs`` interleaved, ``mode`` (DetMode) saying whether each is deterministic."""
+    import cuflash
 
-    @contextmanager
-    def no_rotation():  # (the rotated order's walk reads other Q blocks than its neighbours at each step)
-        mode["deterministic"] = True
-        with bwd_defines(*NO_TURN), replaced(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0):
-            yield
-        mode.clear()
+    n, d = 8192, 256
+    for causal in (False, True):
+        for b, h in heads:
+            q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
+                           for _ in range(4))
+            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
+            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
 
-    configs["det, no turn, not rotated"] = no_rotation
-    bwd_interleaved(configs, (128, 256), (2048, 8192), rounds, reps,
-                    extra_kwargs=lambda: {"deterministic": mode.get("deterministic", False)})
+            def call():
+                kw = dict(causal=causal, impl="fa3", **mode.kwargs())
+                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, **kw)
+
+            interleaved(f"{label} d={d} N=8k {b}x{h} heads causal={causal}", configs, call, flops, rounds, reps)
 
 
 def bwd_det_heads(rounds, reps):
@@ -342,30 +365,9 @@ def bwd_det_heads(rounds, reps):
     hand-offs (an add landing, its turn passed on, the next block seeing it), and the more heads share the
     GPU the more of that chain hides behind other heads' work (session 21: 0.51 / 0.62 / 0.72 / 0.875 at 1 /
     2 / 4 / 16 heads, non-causal)."""
-    import cuflash
-
-    n, d = 8192, 256
-    mode = {}
-
-    @contextmanager
-    def deterministic():
-        mode["deterministic"] = True
-        yield
-        mode.clear()
-
-    for causal in (False, True):
-        for b, h in ((1, 1), (1, 2), (1, 4), (2, 8)):
-            q, k, v, do = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype("bfloat16")
-                           for _ in range(4))
-            out, lse = cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3", return_lse=True)
-            flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
-
-            def call():
-                kw = dict(causal=causal, impl="fa3", deterministic=mode.get("deterministic", False))
-                return lambda: cuflash.flash_attn_backward(do, q, k, v, out, lse, **kw)
-
-            interleaved(f"fa3 backward d={d} N=8k {b}x{h} heads causal={causal}",
-                        {"default": as_is, "deterministic": deterministic}, call, flops, rounds, reps)
+    mode = DetMode()
+    bwd_by_heads("fa3 backward", {"default": as_is, "deterministic": mode.config(True)}, mode,
+                 ((1, 1), (1, 2), (1, 4), (2, 8)), rounds, reps)
 
 
 def bwd_rows(rounds, reps):

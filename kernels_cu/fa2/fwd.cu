@@ -344,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fa2_fwd(const Fa2FwdPar
         const i64* v_offset = nullptr;
         if constexpr (LANE_OFFSETS_IN_SMEM) {
             __shared__ i64 lane_offset[2][THREADS];
-            const int r0 = threadIdx.x / (D / 8), c = (threadIdx.x % (D / 8)) * 8;
+            const int r0 = threadIdx.x / (D / 8), c = (threadIdx.x % (D / 8)) * 8;  // (load_tile's r0, c)
             lane_offset[0][threadIdx.x] = r0 * p.k_row_stride + c;
             lane_offset[1][threadIdx.x] = r0 * p.v_row_stride + c;
             k_offset = &lane_offset[0][threadIdx.x];
