@@ -85,8 +85,9 @@ SLOW_PEERS = {"torch-math": 4096}
 
 # Full sweep and the tiny --quick one. Options given on the command line win over both.
 FULL_DEFAULTS = dict(headdims=[64, 128, 256], seqlens=[512, 1024, 2048, 4096, 8192, 16384],
-                     total_tokens=16384, hidden=2048, warmup=5, reps=30)
-QUICK_DEFAULTS = dict(headdims=[64, 128], seqlens=[256, 1024], total_tokens=2048, hidden=2048, warmup=1, reps=3)
+                     total_tokens=16384, hidden=2048, warmup=5, reps=30, rounds=1)
+QUICK_DEFAULTS = dict(headdims=[64, 128], seqlens=[256, 1024], total_tokens=2048, hidden=2048, warmup=1, reps=3,
+                      rounds=1)
 
 # Decode suite: (batch, cache length) pairs at Sq = 1, bf16, 32 query heads over 8 KV heads (GQA 4), d = 128;
 # every cuflash shape also on paged caches of these page sizes. K/V of the full shapes is 128 MB (1 x 32k)
@@ -973,7 +974,8 @@ def _budgeted_reps(timed: Timed, cfg) -> tuple[int, int]:
 
 
 def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
-    """Time one implementation on one case; failures become a row with ``ms: null`` and an ``error``."""
+    """Time one implementation on one case; failures become a row with ``ms: null`` and an ``error``.
+    The first of ``cfg.rounds`` timings (``retime`` takes the others)."""
     shape = case.shape
     dtype = row_dtype(impl, cfg.dtype)
     limit = SLOW_PEERS.get(impl)
@@ -1008,6 +1010,36 @@ def measure(suite: Suite, case: Case, impl: str, cfg, env: dict) -> dict:
         error = error or "output has NaN or inf"
     return make_row(suite, impl, shape, dtype, ms=ms, max_err=max_err, error=error,
                     extra_mem_bytes=extra, env=env, reps=reps, note=note)
+
+
+def retime(case: Case, impl: str, row: dict, cfg) -> None:
+    """Another timing round of a row that ``measure`` timed: the implementation set up again, warmed up and
+    timed with the row's repetitions. The round's median joins ``row["ms_rounds"]``, and ``row["ms"]`` becomes
+    the median of the rounds (``finish_rounds``). A failure here keeps the earlier rounds and says so."""
+    if row["ms"] is None or row["error"]:
+        return
+    timed = None
+    try:
+        timed = factory_for(impl)(case)
+        row.setdefault("ms_rounds", [row["ms"]]).append(time_fn(timed.fn, cfg.warmup, row["reps"], before=timed.before))
+    except Exception as exc:
+        row["note"] = "; ".join(filter(None, [row["note"], f"round {len(row.get('ms_rounds', [1])) + 1} failed: "
+                                                          f"{_error_text(exc)}"]))
+    finally:
+        timed = None
+        free_memory()
+
+
+def finish_rounds(suite: Suite, row: dict) -> None:
+    """``row["ms"]`` (and the metric) from the median of its timing rounds, when there were several."""
+    rounds = row.get("ms_rounds")
+    if not rounds or len(rounds) < 2:
+        return
+    ms = statistics.median(rounds)
+    again = make_row(suite, row["impl"], Shape(row["batch"], row["heads"], row["kv_heads"], row["seqlen_q"],
+                                               row["seqlen_k"], row["headdim"], row["causal"]),
+                     row["dtype"], ms=ms, env=row["env"])
+    row.update(ms=ms, tflops=again["tflops"], tbps=again["tbps"], pct_of_ceiling=again["pct_of_ceiling"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1492,9 +1524,15 @@ def _suite_line(suite: Suite, cfg) -> str:
                 f"the {cfg.dtype} inputs, block {FP8_BLOCK}, Hadamard rotation on q and k), the V transpose inside "
                 f"the timed call; peers on the {cfg.dtype} inputs; max err of e4m3 rows against exact attention of "
                 f"their dequantised inputs; {cfg.total_tokens} tokens, hidden {cfg.hidden}, "
-                f"median of {cfg.reps} after {cfg.warmup} warm-up")
+                f"{_timing_phrase(cfg)}")
     return (f"{suite.name} ({'forward' if suite.mode == 'fwd' else 'backward only'}), {cfg.dtype}, "
-            f"{cfg.total_tokens} tokens, hidden {cfg.hidden}, median of {cfg.reps} after {cfg.warmup} warm-up")
+            f"{cfg.total_tokens} tokens, hidden {cfg.hidden}, {_timing_phrase(cfg)}")
+
+
+def _timing_phrase(cfg) -> str:
+    rounds = getattr(cfg, "rounds", 1) or 1
+    once = f"median of {cfg.reps} after {cfg.warmup} warm-up"
+    return once if rounds == 1 else f"median of {rounds} interleaved rounds, each the {once}"
 
 
 def render_table(suite: Suite, rows: list[dict], title: str, ratio_peers: list[str]):
@@ -1645,6 +1683,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="model width: heads = hidden // headdim (default: 2048)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default: 5)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls; the median is reported (default: 30)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="prefill / backward / fp8: time every implementation of a shape this many times, in "
+                             "turn (backwards every other round), and report the median of the rounds; the rows "
+                             "keep each round's milliseconds in ms_rounds (default: 1)")
     parser.add_argument("--include-slow", action="store_true",
                         help=f"also run {', '.join(SLOW_PEERS)} at long sequences (skipped by default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -1674,7 +1716,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(cfg, key, None) is None:
             setattr(cfg, key, list(value) if isinstance(value, list) else value)
     cfg.causals = {"both": [False, True], "true": [True], "false": [False]}[cfg.causal]
-    for key in ("total_tokens", "hidden", "reps"):
+    for key in ("total_tokens", "hidden", "reps", "rounds"):
         if getattr(cfg, key) <= 0:
             raise ValueError(f"--{key.replace('_', '-')} must be positive")
     if cfg.warmup < 0:
@@ -1714,6 +1756,16 @@ class _Sweep:
                                  f"{'causal' if shape.causal else 'full'} {shape.label} {impl}")
             rows.append(self.row_unless_context_lost(impl, shape, lambda: measure(suite, case, impl, cfg, self.env)))
             self.progress.advance(self.task)
+        # Further rounds interleave the implementations (backwards every other round), so that a drift of the
+        # card's clocks over the shape's minute of timing falls on all of them alike rather than on the last.
+        for r in range(1, cfg.rounds if self.context_lost is None else 1):
+            order = list(zip(self.impls, rows))
+            for impl, row in (order[::-1] if r % 2 else order):
+                self.progress.update(self.task, description=f"{suite.name} d={shape.headdim} {shape.label} {impl} "
+                                     f"(round {r + 1} of {cfg.rounds})")
+                retime(case, impl, row, cfg)
+        for row in rows:
+            finish_rounds(suite, row)
         case = None
         return self.finish_shape(rows)
 

@@ -312,6 +312,55 @@ def test_measure_success_and_failures(monkeypatch, no_device):
     assert bad["ms"] is None and bad["error"] == "ValueError: head dim 512 unsupported"
 
 
+class _Progress:  # rich.progress.Progress's two calls that _Sweep makes
+    def update(self, task, **kw):
+        pass
+
+    def advance(self, task):
+        pass
+
+
+def test_rounds_interleave_and_report_the_median(monkeypatch, no_device):
+    """--rounds 3: each implementation timed three times per shape, in turn (backwards in the second round),
+    its row the median of the rounds with each round's milliseconds kept; a row that failed is not retimed,
+    and a round that fails keeps the earlier ones and says so in the note."""
+    calls, made = [], []
+    times = {"cuflash-fa3": [1.0, 3.0, 2.0], "torch-cudnn": [2.0, 2.0, 5.0], "torch-flash": [4.0]}
+
+    def factory(name):
+        def make(case):
+            if name == "cuflash-fa2" or (name == "torch-flash" and name in calls):
+                raise (ValueError("not here") if name == "cuflash-fa2" else RuntimeError("gone"))
+            made.append(name)
+            return bench.Timed(lambda: (None,))
+        return make
+
+    def fake_time(fn, warmup, reps, before=None):  # the implementation set up last is the one timed
+        calls.append(made[-1])
+        return times[made[-1]][calls.count(made[-1]) - 1]
+
+    monkeypatch.setattr(bench, "factory_for", factory)
+    monkeypatch.setattr(bench, "time_fn", fake_time)
+    monkeypatch.setattr(bench, "Case", lambda s, dtype, mode, seed: FakeCase(s, mode))
+    impls = ["cuflash-fa3", "cuflash-fa2", "torch-cudnn", "torch-flash"]
+    c = cfg("--quick", "--rounds", "3")
+    sweep = bench._Sweep(bench.SUITES["prefill"], c, impls, ENV, None, _Progress(), 0)
+    rows = {r["impl"]: r for r in sweep.shape_rows(shape(n=2048))}
+    assert calls == ["cuflash-fa3", "torch-cudnn", "torch-flash",  # round 1 (cuflash-fa2 failed: no timing)
+                     "torch-cudnn", "cuflash-fa3",                 # round 2, backwards (torch-flash fails)
+                     "cuflash-fa3", "torch-cudnn"]                 # round 3 (torch-flash fails again)
+    fa3, cudnn, flash = rows["cuflash-fa3"], rows["torch-cudnn"], rows["torch-flash"]
+    assert fa3["ms_rounds"] == [1.0, 3.0, 2.0] and fa3["ms"] == 2.0
+    assert cudnn["ms_rounds"] == [2.0, 2.0, 5.0] and cudnn["ms"] == 2.0
+    assert fa3["tflops"] == pytest.approx(bench.SUITES["prefill"].work(shape(n=2048)) / 2e-3 / 1e12)
+    assert fa3["speedup_vs"]["torch-cudnn"] == pytest.approx(1.0)
+    assert flash["ms"] == 4.0 and "round 2 failed: RuntimeError: gone" in flash["note"]
+    assert rows["cuflash-fa2"]["ms"] is None and "ms_rounds" not in rows["cuflash-fa2"]
+    assert "median of 3 interleaved rounds" in bench._suite_line(bench.SUITES["prefill"], c)
+    with pytest.raises(ValueError, match="rounds"):
+        cfg("--rounds", "0")
+
+
 def test_slow_calls_get_fewer_reps(monkeypatch):
     timed = bench.Timed(lambda: (None,))
     monkeypatch.setattr(bench, "time_fn", lambda fn, warmup, reps, before=None: 0.1)
