@@ -324,7 +324,9 @@ def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, bu
     else:
         shift, costs = 0, tile_order.tile_costs(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window,
                                                 group if pack else 1)
-    return (*tile_order.choose(m_blocks, pairs, grid, fit, costs), shift)
+    kv_tile_bytes = kv_bytes // dims.seqlen_k * block_n if dims.seqlen_k else 0  # K and V of one tile of keys
+    wide_ok = tile_order.wide_section_ok(pairs, grid, kv_tile_bytes, heuristics.FA3_WIDE_SECTION_MAX_STREAM_BYTES)
+    return (*tile_order.choose(m_blocks, pairs, grid, fit, costs, wide_ok), shift)
 
 
 def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int, kv_block: int, dims: Dims,

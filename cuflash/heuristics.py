@@ -249,6 +249,14 @@ FA3_L2_SECTION_KIB = {
 }
 FA3_L2_SECTION_KIB_LONG = 32 * 1024  # and every length at d = 64
 FA3_FP8_L2_SECTION_KIB = 32 * 1024  # (not measured below 32 MiB)
+# ... except that with a mask and fewer pairs than half the grid tile_order.choose may take one section of
+# every pair where its balance model rates that better; not where the blocks would then stream more than this
+# many bytes of K/V tiles at once (tile_order.wide_section_ok: min(pairs, grid) x one K and V tile). H200,
+# causal, scripts/ab_probe.py fwd-sections / fwd-all-pairs-gain (session 22, TF/s, every pair / one pair per
+# section with the serpentine): d = 128 N = 4k (64 pairs x 64 KB = 4 MiB) 561 / 607 and 544 / 566 in a second
+# run; at 2 MiB one section of every pair held its own: d = 128 8k 614 / 619 and 593 / 581, d = 256 4k 640 /
+# 656 and 596 / 588, d = 64 8k / 16k (2 / 1 MiB) 482 / 479 and 508 / 495 against 16 and 8 pairs per section.
+FA3_WIDE_SECTION_MAX_STREAM_BYTES = 3 << 20
 
 
 def fa3_l2_section_kib(headdim: int, seqlen_k: int) -> int:

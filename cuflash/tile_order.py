@@ -51,11 +51,14 @@ def block_work(costs: np.ndarray, grid: int, serpentine: bool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=512)
-def choose(m_blocks: int, pairs: int, grid: int, fit: int, m_costs: tuple | None) -> tuple[int, bool]:
+def choose(m_blocks: int, pairs: int, grid: int, fit: int, m_costs: tuple | None,
+           all_pairs_ok: bool = True) -> tuple[int, bool]:
     """(pairs per section, serpentine) for ``pairs`` (head, batch) pairs of ``m_blocks`` query blocks on
     ``grid`` blocks, sections of at most ``fit`` pairs. ``m_costs``: a tile's cost by query block, None when
     all tiles cost the same (then the budget's sections, with the serpentine when one section holds every
-    pair: with equal tiles the deal does not matter)."""
+    pair: with equal tiles the deal does not matter). ``all_pairs_ok``: one section of every pair may be
+    taken beyond the budget (below); the caller says no where those pairs' K/V would stream from device
+    memory faster than it delivers (wide_section_ok)."""
     if m_costs is None:
         return fit, fit >= pairs
     costs = np.asarray(m_costs, dtype=np.float64)
@@ -74,10 +77,19 @@ def choose(m_blocks: int, pairs: int, grid: int, fit: int, m_costs: tuple | None
         section //= 2
     # With fewer pairs than half the grid, one section of every pair with the serpentine (what the kernel
     # took there before session 16, whatever the budget) where the model has it 2 % better.
-    if fit < pairs and 2 * pairs < grid:
+    if fit < pairs and 2 * pairs < grid and all_pairs_ok:
         if busiest(costs[linear_order(m_blocks, pairs, pairs)[0]], True) < 0.98 * best[0][0]:
             return pairs, True
     return best[1], best[2]
+
+
+def wide_section_ok(pairs: int, grid: int, kv_tile_bytes: int, limit_bytes: int) -> bool:
+    """Whether one section of every pair may leave the L2 budget (``choose``'s all_pairs_ok). Every running
+    block then works on a pair of its own or nearly (the heaviest query block of each pair first), and the
+    blocks of one pair walk its K/V tiles together, so device memory must deliver about min(pairs, grid) K/V
+    tiles (``kv_tile_bytes`` each: K and V of one tile of keys) in the time a block takes over one:
+    ``limit_bytes`` (heuristics.FA3_WIDE_SECTION_MAX_STREAM_BYTES) bounds that."""
+    return min(pairs, grid) * kv_tile_bytes <= limit_bytes
 
 
 @functools.lru_cache(maxsize=512)

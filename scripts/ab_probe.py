@@ -505,6 +505,33 @@ def fwd_order(rounds, reps):
             fwd_interleaved(d, n, True, {"model": as_is, "old rule": old_tile_order}, rounds, reps)
 
 
+def fixed_sections(section, serpentine):
+    """fa3's launches take sections of ``section`` pairs (at most all of them) and the given deal, whatever
+    the model and the budget say."""
+    return replaced(tile_order, "choose", lambda m_blocks, pairs, grid, fit, m_costs: (min(section, pairs), serpentine))
+
+
+def fwd_wide_sections(rounds, reps):
+    """FA3 forward, causal: heuristics.FA3_WIDE_SECTION_MAX_STREAM_BYTES as built against no limit (session 16's
+    rule: one section of every pair wherever the balance model rates it 2 % better), at the shapes where the
+    limit or a lower one would change the order (d = 128 4k / 8k, d = 256 4k, d = 64 8k / 16k)."""
+    configs = {"as built": as_is, "no limit": lambda: replaced(heuristics, "FA3_WIDE_SECTION_MAX_STREAM_BYTES", 1 << 40)}
+    for d, n in ((128, 4096), (128, 8192), (256, 4096), (64, 8192), (64, 16384)):
+        fwd_interleaved(d, n, True, configs, rounds, reps)
+
+
+def fwd_sections(rounds, reps):
+    """FA3 forward: the model's tile order (tile_order.choose) against fixed L2 sections. With fewer pairs than
+    half the grid and a mask the model takes one section of every pair where its balance model says 2 %
+    better (causal d = 128 4k: 64 pairs, 2 MiB of K/V each), which leaves L2 nothing to share: the prefill
+    suite (3 rounds) read causal 4k at 0.93 of cuDNN against 1.04 at 2k (sections of 2)."""
+    configs = {"model": as_is, "1 serp": lambda: fixed_sections(1, True), "2 serp": lambda: fixed_sections(2, True),
+               "4 serp": lambda: fixed_sections(4, True), "2 plain": lambda: fixed_sections(2, False)}
+    for d, n, causal in ((128, 4096, True), (128, 8192, True), (256, 4096, True), (256, 8192, True),
+                         (128, 2048, False), (128, 2048, True)):
+        fwd_interleaved(d, n, causal, configs, rounds, reps)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiments", nargs="*", default=["fp8-d128", "bwd-dq"])
@@ -519,7 +546,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

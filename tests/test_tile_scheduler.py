@@ -238,6 +238,31 @@ def test_choose():
     assert work[True].max() / work[True].mean() < 1.04 < work[False].max() / work[False].mean()
 
 
+def test_wide_sections_only_where_device_memory_keeps_up():
+    """One section of every pair beyond the L2 budget only where min(pairs, grid) K/V tiles stay within
+    heuristics.FA3_WIDE_SECTION_MAX_STREAM_BYTES: causal d = 128 N = 4k (64 pairs x 64 KB of K/V tiles =
+    4 MiB) keeps the budget's one pair per section with the serpentine (measured 566-607 against 544-561 TF/s
+    for every pair); d = 128 8k (32 pairs, 2 MiB) and d = 256 8k (16 pairs, 1 MiB) still take every pair."""
+    from cuflash import fa3, heuristics
+    from cuflash._validate import Dims
+
+    limit = heuristics.FA3_WIDE_SECTION_MAX_STREAM_BYTES
+    assert tile_order.wide_section_ok(32, 132, 64 << 10, limit) and not tile_order.wide_section_ok(64, 132, 64 << 10, limit)
+    assert tile_order.wide_section_ok(200, 132, 16 << 10, limit)  # the grid bounds the pairs in flight
+    causal_4k = tile_order.tile_costs(32, 128, 128, 4096, 4096, (4096, 0))
+    assert tile_order.choose(32, 64, 132, 1, causal_4k) == (64, True)
+    assert tile_order.choose(32, 64, 132, 1, causal_4k, False) == (1, True)
+
+    def section(d, n, block_n):
+        dims = Dims(16384 // n, n, n, 2048 // d, 2048 // d, d, np.dtype("float16"))
+        budget = heuristics.fa3_l2_section_kib(d, n)
+        return fa3.schedule(dims, (n, 0), 128, block_n, 2, budget, False, 132)[:2]
+
+    assert section(128, 4096, 128) == (1, True)
+    assert section(128, 8192, 128) == (32, True)
+    assert section(256, 8192, 64) == (16, True)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_bwd_steps_count_the_blocks_with_visible_rows(seed):
     """bwd_steps with a row shift: per K block, the Q blocks [m block_m - shift, ...) that hold a row seeing
