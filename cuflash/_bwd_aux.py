@@ -23,7 +23,8 @@ PARAMS = np.dtype(
     pointer_fields("o", "dout", "dq_accum", "dq", "dsum") + stride_fields("o", "do", "dq")
     + [("batch", np.int32), ("heads", np.int32), ("seqlen_q", np.int32), ("scale", np.float32)]
     + pointer_fields("lse", "lse_rows") + [("row_pitch", np.int64)] + pointer_fields("cu_seqlens_q")
-    + [("varlen_batch", np.int32), ("row_shift", np.int32)],
+    + [("varlen_batch", np.int32), ("row_shift", np.int32), ("accum_planes", np.int32),
+       ("accum_plane_stride", np.int64)],
     align=True,
 )
 
@@ -38,7 +39,7 @@ def all_variants(headdims) -> list[Variant]:
 
 
 def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None, row_pitch=None, cu_seqlens_q=None,
-            varlen_batch=0, row_shift=0):
+            varlen_batch=0, row_shift=0, planes=1):
     p = np.zeros(1, PARAMS)
     for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
         p[name] = a.data.ptr
@@ -51,6 +52,7 @@ def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None,
     if cu_seqlens_q is not None:
         p["cu_seqlens_q"], p["varlen_batch"] = cu_seqlens_q.data.ptr, varlen_batch
     p["row_shift"] = row_shift
+    p["accum_planes"], p["accum_plane_stride"] = planes, dq_accum.size // planes
     return p
 
 
@@ -66,19 +68,22 @@ def _launch(kernel, p, dims, stream):
 
 
 def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, lse=None, lse_rows=None,
-               row_pitch=None, cu_seqlens_q=None, varlen_batch=0, row_shift=0) -> None:
+               row_pitch=None, cu_seqlens_q=None, varlen_batch=0, row_shift=0, planes=1) -> None:
     """dsum = rowsum(dout * out); dq_accum = 0. dsum is (batch, heads, row_pitch) (default pitch:
     seqlen_q); with ``lse_rows``, the contiguous (batch, heads, seqlen_q) ``lse`` is copied into it in
     dsum's layout. Entries past seqlen_q of each row are not written. ``cu_seqlens_q`` (packed rows as
     one batch entry, with ``lse_rows``): each sequence's rows go to their 64-aligned place of the head's
     padded row (kernels_cu/common/bwd_aux.cu). ``row_shift`` (fixed length only): every head's rows of
     dsum / lse_rows and of dq_accum (batch, heads, row_shift + seqlen_q, d) start after row_shift rows of
-    padding (dsum 0, lse_rows +inf there; dq_accum's left as they are)."""
+    padding (dsum 0, lse_rows +inf there; dq_accum's left as they are). ``planes``: dq_accum is that many
+    equal accumulators one after another (the deterministic FA3 backward's), each zeroed."""
     p = _params(out, dout, dq, dq_accum, dsum, dims, scale, lse, lse_rows, row_pitch, cu_seqlens_q, varlen_batch,
-                row_shift)
+                row_shift, planes)
     _launch("bwd_preprocess", p, dims, stream)
 
 
-def convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, row_shift=0) -> None:
-    """dq = scale * dq_accum in dq's dtype and strides (dq_accum's rows after row_shift rows of padding)."""
-    _launch("bwd_convert_dq", _params(out, dout, dq, dq_accum, dsum, dims, scale, row_shift=row_shift), dims, stream)
+def convert_dq(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, row_shift=0, planes=1) -> None:
+    """dq = scale * dq_accum in dq's dtype and strides (dq_accum's rows after row_shift rows of padding;
+    ``planes`` accumulators summed in order)."""
+    _launch("bwd_convert_dq", _params(out, dout, dq, dq_accum, dsum, dims, scale, row_shift=row_shift, planes=planes),
+            dims, stream)

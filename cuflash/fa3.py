@@ -139,7 +139,9 @@ BWD_PARAMS = np.dtype(
     pointer_fields("cu_seqlens_q", "cu_seqlens_k", "dk", "dv") + stride_fields("dk", "dv")
     + [("row_batch_stride", np.int64), ("row_head_stride", np.int64)]
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32), ("scale", np.float32)]
-    + pointer_fields("dq_semaphore") + [("highest_first", np.int32), ("rotate_q_blocks", np.int32),
+    + pointer_fields("dq_semaphore") + [("dq_plane_shift", np.int32), ("dq_plane_flags", np.int32),
+                                        ("dq_plane_heads", np.int32), ("highest_first", np.int32),
+                                        ("rotate_q_blocks", np.int32),
                                         ("row_shift", np.int32)],
     align=True,
 )
@@ -392,7 +394,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     (batch, heads, pitch), or for packed batches (``cu_seqlens`` = (cu_seqlens_q, cu_seqlens_k), ``dims``
     with the longest lengths) (heads, pitch) with each sequence from a 64-aligned row (bwd.cu: lse_row0).
     ``deterministic``: the K blocks add their dQ shares of each Q block in a fixed order (zeroed counters per
-    (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run. Fixed-length calls of
+    (batch, head, Q block, 64-column dQ atom)), so dQ is bit-identical run to run; with few heads in the grid
+    into several accumulator planes (bwd_dq_accumulators) that the conversion sums in order. Fixed-length calls of
     bwd.cu (d <= 128) may put the last Q block's spare rows before row 0 (tile_order.bwd_row_shift): the
     padded rows and a dQ accumulator of this function's own then start with them (fa3/bwd_roles.cuh)."""
     cu_q, cu_k = cu_seqlens or (None, None)
@@ -418,8 +421,13 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     rows = cupy.empty((2, total), dtype=cupy.float32)
     lse_rows, dsum_rows = rows[0], rows[1]
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
+    # Deterministic mode with few heads in the grid: several dQ accumulator planes (bwd_dq_accumulators), in
+    # a buffer of this function's own instead of the caller's one plane.
+    planes = bwd_dq_accumulators(dims, window, dq_accum.nbytes, deterministic)
+    if planes > 1:
+        dq_accum = cupy.empty((planes * dq_accum.shape[0], *dq_accum.shape[1:]), dtype=cupy.float32)
     _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift)
+                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift, planes=planes)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, block_m)
     block_n = bwd_block_n(dims.headdim)
     maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
@@ -431,12 +439,15 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     if deterministic:
         atoms = -(-dims.headdim // 64)
-        if dims.batch * dims.heads * (q_pitch // block_m) * atoms >= 2 ** 31:
-            raise ValueError(f"deterministic FA3 backward: batch x heads x Q blocks x dQ atoms must be below 2^31 "
-                             f"(32-bit counter indices); got {dims.batch} x {dims.heads} x "
+        flags = dims.batch * dims.heads * (q_pitch // block_m) * atoms  # counters per accumulator plane
+        if planes * flags >= 2 ** 31:
+            raise ValueError(f"deterministic FA3 backward: dQ planes x batch x heads x Q blocks x dQ atoms must be "
+                             f"below 2^31 (32-bit counter indices); got {planes} x {dims.batch} x {dims.heads} x "
                              f"{q_pitch // block_m} x {atoms}")
-        semaphore = cupy.zeros((dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
+        semaphore = cupy.zeros((planes, dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
         p["dq_semaphore"] = semaphore.data.ptr
+        p["dq_plane_shift"], p["dq_plane_flags"] = planes.bit_length() - 1, flags
+        p["dq_plane_heads"] = dims.heads if varlen else dims.batch * dims.heads  # one plane along the dQ map
     fill_strides(p, "dk", dk)
     fill_strides(p, "dv", dv)
     p["row_batch_stride"], p["row_head_stride"] = (0 if varlen else dims.heads * pitch), pitch
@@ -451,7 +462,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
     p["row_shift"] = shift
     launch(variant, grid, (*maps, p), stream)
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift)
+    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift, planes=planes)
 
 
 def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_) -> int:
@@ -463,6 +474,29 @@ def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_
         return 0
     return tile_order.bwd_row_shift(dims.seqlen_q, dims.seqlen_k, tuple(window),
                                     bwd_block_m(dims.headdim, softcap > 0), bwd_block_n(dims.headdim))
+
+
+def bwd_dq_accumulators(dims: Dims, window, plane_bytes: int, deterministic: bool) -> int:
+    """dQ accumulator planes of the backward (a power of two, one after another in one buffer, each
+    ``plane_bytes`` long: the fp32 dQ accumulator's size). 1 but in deterministic mode in the descending
+    order (not rotated), where each Q block's adds are a chain of hand-offs, one per K block above
+    (fa3/bwd_roles.cuh dq_turn). The chain hides behind other heads' work when the grid has many (batch x KV
+    heads) columns; with few, K block n adds into plane n mod planes, which makes each chain that many times
+    shorter, and the conversion sums the planes in order (common/bwd_aux.cu): planes x batch x KV heads up
+    to heuristics.FA3_DET_DQ_GRID_HEADS, at most FA3_DET_MAX_DQ_ACCUMULATORS planes and
+    FA3_DET_DQ_ACCUM_MAX_BYTES of them in all."""
+    if not deterministic:
+        return 1
+    k_blocks = -(-dims.seqlen_k // bwd_block_n(dims.headdim))
+    if bwd_rotates(window, dims, k_blocks, _sm_count()):
+        return 1
+    pairs = max(1, dims.batch * dims.kv_heads)
+    planes = 1
+    while (2 * planes <= heuristics.FA3_DET_MAX_DQ_ACCUMULATORS
+           and 2 * planes * pairs <= heuristics.FA3_DET_DQ_GRID_HEADS
+           and 2 * planes * plane_bytes <= heuristics.FA3_DET_DQ_ACCUM_MAX_BYTES):
+        planes *= 2
+    return planes
 
 
 def bwd_rotates(window, dims: Dims, k_blocks: int, num_sms: int) -> bool:
@@ -498,6 +532,6 @@ def _dq_accum_map(dq_accum, block_m: int):
     (d, rows, batch x heads or heads) with block_m-row x 32-column boxes in the 128-byte swizzle, for the
     backward's reduce-adds."""
     *lead, rows, d = dq_accum.shape
-    planes = int(np.prod(lead))
-    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, planes), (d * 4, rows * d * 4),
+    entries = int(np.prod(lead))
+    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, entries), (d * 4, rows * d * 4),
                              (32, block_m, 1), swizzle=128)

@@ -302,6 +302,15 @@ FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILE
 # on the H200 (deterministic / default TF/s, not causal): d = 256 N = 2k 0.70 -> 0.85, 4k 0.70 -> 0.84
 # (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
 FA3_BWD_ROTATE_SM_FRACTION = 0.5
+# Deterministic FA3 backward in the descending order: dQ accumulator planes (cuflash/fa3.py
+# bwd_dq_accumulators) until planes x batch x KV heads reaches FA3_DET_DQ_GRID_HEADS. Each Q block's adds are a
+# chain of hand-offs of about a step each; with many (batch, KV head) columns in the grid other heads' work
+# hides it (session 21, d = 256 N = 8k, deterministic / default by batch x heads: 1: 0.51, 2: 0.62, 4: 0.72,
+# 16: 0.875), with few it is most of the time. Planes cost their zeroing and reading (a plane is the size of
+# dQ in fp32), so at most FA3_DET_MAX_DQ_ACCUMULATORS of them and FA3_DET_DQ_ACCUM_MAX_BYTES in all.
+FA3_DET_DQ_GRID_HEADS = 16
+FA3_DET_MAX_DQ_ACCUMULATORS = 8
+FA3_DET_DQ_ACCUM_MAX_BYTES = 1 << 30
 # head dim -> query rows per step of the FA3 backward (fa3/bwd.cu) without a softcap (with one: 64, its
 # registers). FlashAttention-3's hopper/ backward runs d = 128 on 80 x 128 tiles with dQ computed
 # transposed (without a mask): each step carries 25 % more rows over the same barriers, LSE reads and dQ

@@ -25,7 +25,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   bwd-det-cost  FA3 backward d = 128 and 256, N = 2k and 8k, causal and not: where the deterministic mode's time
              goes (the default launched highest first; deterministic without waiting for turns)
   bwd-det-heads  FA3 backward d = 256, N = 8k, causal and not: deterministic against the default with 1, 2, 4
-             and 16 heads in the grid (one head: every K block in one wave, the turns a chain of hand-offs)
+             and 16 heads in the grid (one head: every K block in one wave, the turns a chain of hand-offs),
+             with the dQ accumulator planes of fa3.bwd_dq_accumulators and with one plane
   bwd-rows   FA3 backward d = 64, N = 2k ... 16k, causal and not: the rows per step of
              heuristics.FA3_BWD_BLOCK_M against 80 and 64
   bwd-dkv    FA3 backward d = 64, 128 and 256, N = 2k and 8k, causal and not: dK / dV stored by TMA through
@@ -36,6 +37,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
              three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
              with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
+  fwd-d128-3wg  FA3 forward bf16 d = 128, N = 2k, 4k, 8k and causal 2k, 8k: the table's two consumer
+             warpgroups over 128-key tiles against three (192-row tiles) over 64-key tiles, with and without
+             the pingpong, with 3 stages
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
@@ -47,7 +51,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-d128-3wg] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -171,6 +175,13 @@ def list_variants() -> list:
                 dims = _validate.Dims(1, n, n, 1, 1, 64, "bfloat16")
                 window = _validate.window_bounds((-1, -1), causal, dims)
                 out.append(fa3.fwd_variant(64, "bfloat16", unmasked=fa3._unmasked(window, dims),
+                                           short_masked=fa3._short_masked(window, dims)))
+    for config in D128_3WG.values():  # fwd_d128_3wg's
+        with config():
+            for n, causal in D128_3WG_CASES:
+                dims = _validate.Dims(1, n, n, 1, 1, 128, "bfloat16")
+                window = _validate.window_bounds((-1, -1), causal, dims)
+                out.append(fa3.fwd_variant(128, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                            short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
@@ -366,7 +377,9 @@ def bwd_det_heads(rounds, reps):
     GPU the more of that chain hides behind other heads' work (session 21: 0.51 / 0.62 / 0.72 / 0.875 at 1 /
     2 / 4 / 16 heads, non-causal)."""
     mode = DetMode()
-    bwd_by_heads("fa3 backward", {"default": as_is, "deterministic": mode.config(True)}, mode,
+    one_plane = lambda: replaced(heuristics, "FA3_DET_DQ_GRID_HEADS", 1)  # noqa: E731
+    bwd_by_heads("fa3 backward", {"default": as_is, "deterministic": mode.config(True),
+                                  "det, one dQ plane": lambda: mode.config(True, one_plane())()}, mode,
                  ((1, 1), (1, 2), (1, 4), (2, 8)), rounds, reps)
 
 
@@ -460,6 +473,32 @@ def fwd_d64(rounds, reps):
         fwd_interleaved(64, n, causal, D64, rounds, reps)
 
 
+def d128_3wg(**tiles):
+    """d = 128 calls take three consumer warpgroups (192-row tiles, 160 registers each: 64-key tiles, whose S
+    32 + P 16 + O 64 registers fit beside the intra-warpgroup overlap; 128 keys make ptxas serialise the
+    wgmma) with ``tiles``."""
+    t = heuristics.Fa3Tiles(**({"block_n": 64, "stages": 2, "consumers": 3, "pingpong": False} | tiles))
+    return tables_edited((heuristics.FA3_TILES_3WG,), lambda table: table.update({128: t}))
+
+
+D128_3WG = {  # name -> a new context manager per use
+    "table": as_is,
+    "3wg 64 keys": lambda: d128_3wg(),
+    "3wg 64 keys pingpong": lambda: d128_3wg(pingpong=True),
+    "3wg 64 keys 3 stages": lambda: d128_3wg(stages=3),
+}
+D128_3WG_CASES = ((2048, False), (4096, False), (8192, False), (2048, True), (8192, True))  # (N, causal)
+
+
+def fwd_d128_3wg(rounds, reps):
+    """FA3 forward d = 128 (issue 4: N = 2k non-causal at 0.97-0.98 of cuDNN): the table's two warpgroups of
+    64 rows over 128-key tiles against three over 64-key tiles. cuDNN's kernel moves 30 % fewer bytes
+    through L2 than ours at 2k (ncu, session 22), what 192-row tiles would; three warpgroups also cut the
+    tiles, and so the per-tile prologue and epilogue, to two thirds."""
+    for n, causal in D128_3WG_CASES:
+        fwd_interleaved(128, n, causal, D128_3WG, rounds, reps)
+
+
 def rows_from_zero():
     """fa3's launches tile the query rows from row 0 (no row_shift: the spare rows after the end)."""
     def unshifted(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window):
@@ -546,7 +585,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-d128-3wg": fwd_d128_3wg, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

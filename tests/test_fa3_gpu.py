@@ -249,6 +249,41 @@ def test_backward_deterministic_is_bit_identical(d, causal):
             assert bool((a.view("uint16") == b.view("uint16")).all())
 
 
+@pytest.mark.parametrize("d", BWD_HEADDIMS)
+@pytest.mark.parametrize("planes", [1, 2, 8])
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_backward_deterministic_dq_planes(monkeypatch, poison_allocations, d, planes, mask):
+    """Deterministic mode with few heads in the grid takes several dQ accumulator planes
+    (fa3.bwd_dq_accumulators): K block n adds into plane n mod planes in its own descending order, the
+    conversion sums the planes in order. Against the reference, bit-identical run to run (varlen too), and
+    the launch really took that many planes."""
+    import cupy
+
+    from cuflash import _bwd_aux, heuristics
+
+    monkeypatch.setattr(heuristics, "FA3_DET_DQ_GRID_HEADS", planes)  # the grid below has one (batch, KV head)
+    monkeypatch.setattr(heuristics, "FA3_DET_MAX_DQ_ACCUMULATORS", planes)
+    seen = []
+    convert = _bwd_aux.convert_dq
+    monkeypatch.setattr(_bwd_aux, "convert_dq", lambda *a, **kw: (seen.append(kw["planes"]), convert(*a, **kw)))
+    options = dict(causal=True) if mask == "causal" else dict(window_size=(300, 40))  # (a mask: not rotated)
+    q, k, v = _inputs(np.random.default_rng(), 1, 1100, 1300, 3, 1, d, "bfloat16")
+    dout, out, lse, first = check_backward("fa3", q, k, v, deterministic=True, **options)
+    assert seen == [planes]
+    again = cuflash.flash_attn_backward(dout, q, k, v, out, lse, impl="fa3", deterministic=True, **options)
+    for a, b in zip(first, again):
+        assert bool((a.view("uint16") == b.view("uint16")).all())
+    seen.clear()
+    rng = np.random.default_rng()
+    dout, out, lse, first, (q, k, v, cu_q, cu_k, max_q, max_k) = check_varlen_backward(
+        "fa3", rng, [700], [900], 2, 1, d, deterministic=True, **options)
+    again = cuflash.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, impl="fa3",
+                                               deterministic=True, **options)
+    for a, b in zip(first, again):
+        assert bool((cupy.asarray(a).view("uint16") == cupy.asarray(b).view("uint16")).all())
+    assert seen == [planes, planes]
+
+
 def test_backward_deterministic_with_a_window(poison_allocations):
     """A window changes which K blocks touch a Q block (the turn order starts at the first of them)."""
     q, k, v = _inputs(np.random.default_rng(), 1, 700, 900, 4, 4, 128, "bfloat16")

@@ -444,10 +444,14 @@ def simulate_dq_order(masklib, tile, sq, sk, left, right, *, extra_blocks, resid
 
 
 def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, resident, descending=True, rotated=False,
-                    one_add_per_round=False):
+                    one_add_per_round=False, planes=1):
     """simulate_dq_order's model; also returns the rounds it took. ``one_add_per_round``: in a round each
     running block makes at most one add (blocks running in step, one Q block each per step), so the rounds
-    count the steps of the slowest block, waits included."""
+    count the steps of the slowest block, waits included. ``planes`` (descending only, a power of two): dQ
+    accumulator planes, K block n adding into plane n mod planes at turn (n_end - 1 - n) / planes of that
+    plane's own counter (dq_turn with p.dq_plane_shift)."""
+    assert planes == 1 or (descending and not rotated and planes & (planes - 1) == 0)
+    shift = planes.bit_length() - 1
     bm, bn = tile
     n_blocks = _ceil(sk, bn) + extra_blocks
     work = {}
@@ -460,10 +464,10 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
         m_count = _ceil(sq, bm)
         turn = lambda n, m: masklib.lib.dq_rotated_turn(n, m, kv[m][1] - kv[m][0], m_count)  # noqa: E731
     elif descending:
-        turn = lambda n, m: kv[m][1] - 1 - n  # noqa: E731
+        turn = lambda n, m: (kv[m][1] - 1 - n) >> shift  # noqa: E731
     else:
         turn = lambda n, m: n - kv[m][0]  # noqa: E731
-    counter = {m: 0 for m in kv}
+    counter = {(m, plane): 0 for m in kv for plane in range(planes)}  # a counter per Q block and plane
     waiting = list(range(n_blocks - 1, -1, -1))  # launch order: highest first
     running = []
     rounds = 0
@@ -472,12 +476,15 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
             running.append(waiting.pop(0))
         rounds += 1
         moved = False
-        ready = [n for n in running if work[n] and counter[work[n][0]] == turn(n, work[n][0])]
+        def my_turn(n):  # block n's next Q block's counter (in n's plane) says it is n's turn
+            return work[n] and counter[work[n][0], n % planes] == turn(n, work[n][0])
+
+        ready = [n for n in running if my_turn(n)]
         for n in list(running):
-            while work[n] and counter[work[n][0]] == turn(n, work[n][0]):
+            while my_turn(n):
                 if one_add_per_round and n not in ready:
                     break  # its turn came this round: the add is next round's
-                counter[work[n].pop(0)] += 1
+                counter[work[n].pop(0), n % planes] += 1
                 moved = True
                 if one_add_per_round:
                     break
@@ -486,7 +493,10 @@ def run_dq_schedule(masklib, tile, sq, sk, left, right, *, extra_blocks, residen
                 moved = True
         if not moved:
             return f"stuck: blocks {running} wait at Q blocks {[work[n][0] for n in running]}", rounds
-    short = {m: (counter[m], hi - lo) for m, (lo, hi) in kv.items() if counter[m] != max(0, hi - lo)}
+    # every plane's counter of Q block m ends at the number of m's K blocks in that plane
+    short = {(m, plane): (counter[m, plane], len(range(lo + (plane - lo) % planes, hi, planes)))
+             for m, (lo, hi) in kv.items() for plane in range(planes)
+             if counter[m, plane] != len(range(lo + (plane - lo) % planes, hi, planes))}
     return (f"counters short of their block counts: {short}" if short else None), rounds
 
 
@@ -568,3 +578,54 @@ def test_the_host_asks_for_the_rotated_order_only_unmasked_and_resident():
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, True, (-1, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (256, -1)), dims, 32, 132)
     assert not fa3.bwd_rotates(kernel_window(2048, 2048, False, (-1, 0)), dims, 32, 132)
+
+
+@pytest.mark.parametrize("planes", [2, 4, 8])
+@pytest.mark.parametrize("tile", [(64, 128), (64, 64)])  # fa3/bwd.cu, fa3/bwd_wide.cu
+@pytest.mark.parametrize("sq, sk, causal, window", [
+    (1000, 1000, False, (-1, -1)), (1000, 1000, True, (-1, -1)), (300, 1900, True, (-1, -1)),
+    (1900, 300, True, (-1, -1)), (1500, 1500, False, (256, 0)), (777, 2049, False, (-1, 64)),
+])
+def test_dq_planes_never_wait_forever_and_shorten_the_chain(masklib, planes, tile, sq, sk, causal, window):
+    """Several dQ accumulator planes (cuflash/fa3.py bwd_dq_accumulators): K block n adds into plane
+    n mod planes in that plane's descending order. Highest first, a block still only waits for blocks
+    launched before it (any residency, blocks past the last key); every plane's counters end at their
+    block counts; and with every block resident, in step, the chain of hand-offs that one plane needs
+    (M + NK - 1 steps unmasked) shrinks to M + ceil(NK / planes) - 1."""
+    left, right = kernel_window(sq, sk, causal, window)
+    for resident in (1, 2, 5, 1000):
+        for extra in (0, 3):
+            stuck, _ = run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=extra, resident=resident,
+                                       planes=planes)
+            assert stuck is None, f"tile {tile}, {resident} resident, {extra} blocks past the end: {stuck}"
+    nk, mq = _ceil(sk, tile[1]), _ceil(sq, tile[0])
+    if not causal and window == (-1, -1):
+        stuck, rounds = run_dq_schedule(masklib, tile, sq, sk, left, right, extra_blocks=0, resident=nk,
+                                        one_add_per_round=True, planes=planes)
+        assert stuck is None and rounds == mq + _ceil(nk, planes) - 1, (rounds, mq, nk)
+
+
+def test_the_host_takes_dq_planes_only_deterministic_with_few_heads(monkeypatch):
+    """cuflash.fa3.bwd_dq_accumulators: 1 outside deterministic mode and in the rotated order; else planes
+    until planes x batch x KV heads reaches heuristics.FA3_DET_DQ_GRID_HEADS, within
+    FA3_DET_MAX_DQ_ACCUMULATORS and FA3_DET_DQ_ACCUM_MAX_BYTES."""
+    from cuflash import _validate, fa3, heuristics
+    from cuflash._validate import Dims
+
+    monkeypatch.setattr(fa3, "_sm_count", lambda: 132)
+
+    def planes(batch, kv_heads, n, causal=True, deterministic=True, plane_bytes=1 << 20):
+        dims = Dims(batch, n, n, 2 * kv_heads, kv_heads, 256, "bfloat16")
+        return fa3.bwd_dq_accumulators(dims, _validate.window_bounds((-1, -1), causal, dims), plane_bytes,
+                                       deterministic)
+
+    grid_heads, most = heuristics.FA3_DET_DQ_GRID_HEADS, heuristics.FA3_DET_MAX_DQ_ACCUMULATORS
+    assert planes(1, 1, 8192, deterministic=False) == 1
+    assert planes(1, 1, 2048, causal=False) == 1  # 32 K blocks of 64 keys: the rotated order
+    assert planes(1, 1, 8192, causal=False) == min(most, grid_heads)  # 128 K blocks: descending
+    for batch, kv_heads in ((1, 1), (1, 2), (2, 2), (1, 8), (2, 8), (4, 8)):
+        got = planes(batch, kv_heads, 8192)
+        assert got & (got - 1) == 0 and got <= most
+        assert got * batch * kv_heads <= max(grid_heads, batch * kv_heads)
+        assert got == 1 or 2 * got * batch * kv_heads > grid_heads or 2 * got > most
+    assert planes(1, 1, 8192, plane_bytes=heuristics.FA3_DET_DQ_ACCUM_MAX_BYTES // 2) == 2

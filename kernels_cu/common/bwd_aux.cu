@@ -3,7 +3,7 @@
 //   bwd_preprocess: D = rowsum(dO o O) in fp32, and zero the row's fp32 dQ accumulator; D (and, when
 //                   lse_rows is set, the forward's LSE in log2 units) go to rows row_pitch apart, so a kernel
 //                   that loads them with TMA gets blocks at 16-byte aligned offsets (FA3: pitch a multiple of 64);
-//   bwd_convert_dq: dQ = scale * dq_accum, rounded to the element type.
+//   bwd_convert_dq: dQ = scale * dq_accum (the sum of its planes, in order), rounded to the element type.
 // row_shift (the FA3 backward's spare rows before row 0, fa3/bwd_roles.cuh): each head's dq_accum rows and
 // padded rows start with row_shift rows of padding, row i at i + row_shift; the preprocess writes the
 // padding of the LSE / D rows (+inf, 0: no probability flows there) and leaves dq_accum's (never read).
@@ -33,6 +33,11 @@ struct BwdAuxParams {
     const int* cu_seqlens_q;
     int varlen_batch;
     int row_shift;  // 0 with cu_seqlens_q
+    // dq_accum holds this many planes, accum_plane_stride floats apart (the deterministic FA3 backward's
+    // per-residue accumulators, fa3/bwd_roles.cuh dq_turn): the preprocess zeroes each and the conversion
+    // sums them in plane order, so the sum is the same every run. 1 elsewhere.
+    int accum_planes;
+    i64 accum_plane_stride;
 };
 
 constexpr int D = CUFLASH_HEADDIM;
@@ -82,9 +87,11 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_preprocess(con
             acc += elem_t::to_float(u16(ow[w] & 0xffff)) * elem_t::to_float(u16(dw[w] & 0xffff));
             acc += elem_t::to_float(u16(ow[w] >> 16)) * elem_t::to_float(u16(dw[w] >> 16));
         }
-        float4* zero = reinterpret_cast<float4*>(p.dq_accum + accum_row(p, rc) * D + c);
-        zero[0] = make_float4(0.f, 0.f, 0.f, 0.f);
-        zero[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        float* row = p.dq_accum + accum_row(p, rc) * D + c;
+        for (int plane = 0; plane < p.accum_planes; ++plane, row += p.accum_plane_stride) {
+            reinterpret_cast<float4*>(row)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+            reinterpret_cast<float4*>(row)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
     }
     // The row's sum over its group (every lane of the warp takes part: groups are aligned within it).
 #pragma unroll
@@ -120,8 +127,14 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS) bwd_convert_dq(con
     const RowChunk rc(p);
     if (!rc.active()) return;
     const int c = rc.chunk * 8;
-    const float4* src = reinterpret_cast<const float4*>(p.dq_accum + accum_row(p, rc) * D + c);
-    const float4 x = src[0], y = src[1];
+    const float* row = p.dq_accum + accum_row(p, rc) * D + c;
+    float4 x = reinterpret_cast<const float4*>(row)[0], y = reinterpret_cast<const float4*>(row)[1];
+    for (int plane = 1; plane < p.accum_planes; ++plane) {  // in plane order: the same sum every run
+        row += p.accum_plane_stride;
+        const float4 a = reinterpret_cast<const float4*>(row)[0], b = reinterpret_cast<const float4*>(row)[1];
+        x = make_float4(x.x + a.x, x.y + a.y, x.z + a.z, x.w + a.w);
+        y = make_float4(y.x + b.x, y.y + b.y, y.z + b.z, y.w + b.w);
+    }
     const float s = p.scale;
     uint4 out;
     out.x = elem_t::pack2(x.x * s, x.y * s);

@@ -21,6 +21,10 @@ struct Fa3BwdParams {
     // Deterministic mode: (batch, heads, q_blocks, dQ atoms) zeroed counters; each K block adds its dQ share
     // of a Q block when the counter says it is its turn (null: adds in any order).
     int* dq_semaphore;
+    // Deterministic mode: K block n adds into dQ accumulator plane n mod 2^dq_plane_shift (bwd_roles.cuh
+    // dq_turn), each plane in descending K-block order with counters of its own (dq_plane_flags counters
+    // apart); a plane is dq_plane_heads entries further along the dQ map's third coordinate. Shift 0: one plane.
+    int dq_plane_shift, dq_plane_flags, dq_plane_heads;
     int highest_first;  // launch the K blocks highest first (deterministic mode must; cuflash/heuristics.py)
     // Deterministic mode without a mask bounding the rows, every K block of a head resident at once: the
     // rotated dQ order (common/dq_order.cuh), set by cuflash/fa3.py.

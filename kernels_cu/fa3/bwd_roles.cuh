@@ -62,17 +62,23 @@ struct DqTile {
 // Deterministic mode: the counter of Q block m's dQ part `part` (of `parts` per block; head h) and the value
 // that makes it K block n_block's turn: the K blocks that touch the Q block add in descending block order,
 // or in the rotated order (common/dq_order.cuh; every K block of the sequence touches every Q block then).
-// shift: Q block m holds rows from m BM - shift (row_shift_of).
+// With 2^p.dq_plane_shift dQ accumulator planes (cuflash/fa3.py bwd_dq_accumulators: few heads in the grid)
+// block n adds into plane n mod 2^shift and waits only for the blocks above it in that plane: a chain of
+// hand-offs 2^shift times shorter per Q block, the planes summed in order by the conversion. The tile's
+// head coordinate moves to its plane too. shift: Q block m holds rows from m BM - shift (row_shift_of).
 template <int BM, int BN>
 __device__ __forceinline__ void dq_turn(DqTile& tile, const Fa3BwdParams& p, const Mask& mask, int n_block, int batch,
                                         int h, int m, int part, int parts, int shift) {
     const int q_blocks = (p.seqlen_q + shift + BM - 1) / BM;
     int n_first, n_end;
     mask.kv_block_range_rows<BN>(max(m * BM - shift, 0), min(m * BM + BM - shift, mask.seqlen_q) - 1, n_first, n_end);
-    tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part;  // (the launcher checks it fits an int)
+    const int plane = n_block & ((1 << p.dq_plane_shift) - 1);
+    // (the launcher checks that the counters of every plane fit an int)
+    tile.flag = ((batch * p.heads + h) * q_blocks + m) * parts + part + plane * p.dq_plane_flags;
     tile.turn = p.rotate_q_blocks
                     ? dq_order_rotated_turn(n_block, m, n_end, (mask.seqlen_q + shift + BM - 1) / BM)
-                    : n_end - 1 - n_block;
+                    : (n_end - 1 - n_block) >> p.dq_plane_shift;
+    tile.head += plane * p.dq_plane_heads;
 }
 
 // Query rows before row 0 in the first Q block (cuflash/fa3.py, tile_order.bwd_row_shift: under a causal
