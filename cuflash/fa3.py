@@ -6,6 +6,8 @@ layout, so any strides that TMA accepts (16-byte aligned) work without copies.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 
 import numpy as np
 
@@ -43,7 +45,9 @@ PARAMS = np.dtype(
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
     + pointer_fields("q_descale", "k_descale", "v_descale")
     + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")]
-    + [("sched_section", np.int32), ("sched_serpentine", np.int32), ("row_shift", np.int32)],
+    + [("sched_section", np.int32), ("sched_serpentine", np.int32), ("row_shift", np.int32)]
+    + [(n, np.int32) for n in ("tail_start", "tail_units", "tail_k_blocks", "tail_slots")]
+    + pointer_fields("tail_partials", "tail_flags") + [("tail_tag", np.uint64)],
     align=True,
 )
 FP8_TRANSPOSE_PARAMS = np.dtype(
@@ -106,6 +110,9 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         return -(-d * elem // 128) * 128 // elem
 
     block_m = fwd_block_m(t)
+    # the stream-K tail's code (fill_tail) only in the variants that calls without a mask take: d = 256's
+    # 64-key tiles (causal) spill 180-280 bytes with it
+    tail = not (fp8 or varlen or pack_gqa) and t == fwd_tiles(headdim, unmasked=True, softcap=softcap)
     q_bytes, k_bytes = block_m * padded(headdim) * elem, t.block_n * padded(headdim) * elem
     v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
     smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
@@ -124,7 +131,7 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
            ("CUFLASH_DTYPE", DTYPE_CODES[dtype]), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_VARLEN", int(varlen)),
            ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
            ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
-           ("CUFLASH_CONSUMERS", t.consumers), ("CUFLASH_SMEM_BYTES", smem))
+           ("CUFLASH_CONSUMERS", t.consumers), ("CUFLASH_TAIL_SPLIT", int(tail)), ("CUFLASH_SMEM_BYTES", smem))
         + ((("CUFLASH_EXP2_EMU", t.exp2_emu),) if t.exp2_emu else ()),
         threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
@@ -288,7 +295,43 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     budget = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
     grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack, shift_rows=cu_q is None and not pack)
+    tail = fill_tail(p, dims, block_m, t, grid) if unmasked and cu_q is None and not pack else None
     launch(variant, (grid,), (map_q, map_k, map_v, map_o, p), stream)
+    del tail  # its slots go back to the pool once queued: later work on the stream runs after the kernel
+
+
+def tail_o_columns(headdim_v: int) -> int:
+    """Columns of a consumer's O accumulator in a bf16 / fp16 forward (fa3/fwd.cu OD): d_v in whole
+    128-byte atoms. A tail partial holds OD / 8 + 1 float4 per thread (fa3/fwd.cu save_partial)."""
+    return -(-headdim_v * 2 // 128) * 128 // 2
+
+
+# Tags of the stream-K tail's flags (fill_tail): 64-bit, from a random start per process, never 0 (a
+# flag's reset value), one per call.
+_TAIL_TAGS = itertools.count(int.from_bytes(os.urandom(8), "little") >> 1 | 1)
+
+
+def fill_tail(p, dims: Dims, block_m: int, tiles: heuristics.Fa3Tiles, grid: int):
+    """The stream-K tail of an unmasked fixed-length bf16 / fp16 forward into ``p`` (tail_*: kernels_cu/
+    common/tile_scheduler.cuh TailSplit) where tile_order.tail_split takes one; returns the partial slots
+    and flags it allocated (None without a tail). Every tile sees all ceil(seqlen_k / block_n) K tiles."""
+    import cupy
+
+    m_blocks, pairs = _tile_counts(dims, block_m, False)
+    k_blocks = -(-dims.seqlen_k // tiles.block_n)
+    split = tile_order.tail_split(m_blocks * pairs, grid, k_blocks)
+    if split is None:
+        return None
+    start, units, slots = split
+    tail_tiles = m_blocks * pairs - start
+    od = tail_o_columns(dims.headdim_v or dims.headdim)
+    entries = tail_tiles * slots * tiles.consumers
+    partials = cupy.empty(entries * (od // 8 + 1) * 128 * 4, dtype=cupy.float32)
+    flags = cupy.empty(entries, dtype=cupy.uint64)  # (set to this call's tag when filled: no zeroing)
+    p["tail_start"], p["tail_units"], p["tail_k_blocks"], p["tail_slots"] = start, units, k_blocks, slots
+    p["tail_partials"], p["tail_flags"] = partials.data.ptr, flags.data.ptr
+    p["tail_tag"] = next(_TAIL_TAGS) & (2 ** 64 - 1) or 1
+    return partials, flags
 
 
 def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int,

@@ -257,6 +257,16 @@ FA3_FP8_L2_SECTION_KIB = 32 * 1024  # (not measured below 32 MiB)
 # run; at 2 MiB one section of every pair held its own: d = 128 8k 614 / 619 and 593 / 581, d = 256 4k 640 /
 # 656 and 596 / 588, d = 64 8k / 16k (2 / 1 MiB) 482 / 479 and 508 / 495 against 16 and 8 pairs per section.
 FA3_WIDE_SECTION_MAX_STREAM_BYTES = 3 << 20
+# The FA3 forward's stream-K tail (cuflash/tile_order.py tail_split, kernels_cu/common/tile_scheduler.cuh): for
+# calls without a mask, the part-empty last round of the persistent grid (2048 tiles on 132 SMs at every
+# benchmark shape of d = 128, 1024 at d = 256: 3 % of the blocks' time idle) is cut over the keys into one
+# range of K tiles per block, a tile's pieces merged by the block holding its last. Taken where the model's
+# busiest block gains more than FA3_TAIL_MIN_GAIN; a merge is modelled as FA3_TAIL_MERGE_COST K tiles per
+# partial (reading 64 KB per warpgroup from L2 after a flag). Not yet measured on the H200.
+FA3_TAIL_SPLIT = True
+FA3_TAIL_MIN_GAIN = 0.005
+FA3_TAIL_MERGE_COST = 0.5
+FA3_TAIL_MAX_PIECES = 4  # (at most this many pieces per tile: a tile's merge reads its partials one by one)
 
 
 def fa3_l2_section_kib(headdim: int, seqlen_k: int) -> int:

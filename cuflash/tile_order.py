@@ -165,3 +165,42 @@ def bwd_row_shift(seqlen_q: int, seqlen_k: int, window: tuple[int, int], block_m
     spare = -(-seqlen_q // block_m) * block_m - seqlen_q
     steps = bwd_steps(seqlen_q, seqlen_k, window, block_m, block_n, np.arange(spare + 1))
     return int(np.argmin(steps))  # (the first of equals: the least shift)
+
+
+def tail_split(tiles: int, grid: int, k_blocks: int) -> tuple[int, int, int] | None:
+    """The FA3 forward's stream-K tail for ``tiles`` equal tiles of ``k_blocks`` K tiles each on ``grid``
+    persistent blocks (kernels_cu/common/tile_scheduler.cuh TailSplit): (start, units, slots), or None where
+    it does not pay. The rounds stop at the last whole one (start = rounds x grid); the K tiles of the rest,
+    in order, go out ``units`` = ceil(rest x k_blocks / grid) to a block (at least ceil(k_blocks /
+    heuristics.FA3_TAIL_MAX_PIECES)), a block's range holding at most the end of one tile and the start of
+    the next; ``slots``: the most pieces a tile has, less one (its last
+    piece merges the others). Cost model (tile_costs'): a tile or piece costs its K tiles plus one (prologue
+    and epilogue), a merge heuristics.FA3_TAIL_MERGE_COST per partial; the split is taken where the busiest
+    block's work falls by more than heuristics.FA3_TAIL_MIN_GAIN. At the benchmark shapes (2048 tiles of 128
+    rows, 132 SMs: 15 rounds and 68 tiles) d = 128, N = 2k: 16 x 17 = 272 -> 15 x 17 + 9 + 2 + 1 = 267."""
+    from . import heuristics
+
+    rounds, rest = divmod(tiles, grid)
+    if not heuristics.FA3_TAIL_SPLIT or rounds == 0 or rest == 0 or k_blocks < 2:
+        return None
+    # (at least a share of a tile per block: a merge reads each partial one after the other)
+    units = max(-(-rest * k_blocks // grid), -(-k_blocks // heuristics.FA3_TAIL_MAX_PIECES))
+    total = rest * k_blocks
+    if total >= 2 ** 31 or grid * units >= 2 ** 31:
+        return None
+    worst, slots = 0.0, 0
+    for block in range(grid):
+        lo, hi = min(block * units, total), min(block * units + units, total)
+        if lo == hi:
+            continue
+        first, last = lo // k_blocks, (hi - 1) // k_blocks
+        cost = (hi - lo) + (last - first + 1)  # its K tiles, +1 per piece
+        for j in range(first, last + 1):
+            if hi >= (j + 1) * k_blocks:  # this block holds tile j's last piece: it merges the others
+                others = block - j * k_blocks // units
+                slots = max(slots, others)
+                cost += heuristics.FA3_TAIL_MERGE_COST * others
+        worst = max(worst, cost)
+    if rounds * (k_blocks + 1) + worst > (rounds + 1) * (k_blocks + 1) * (1 - heuristics.FA3_TAIL_MIN_GAIN):
+        return None
+    return rounds * grid, units, max(slots, 1)

@@ -37,6 +37,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
              three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
              with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
+  fwd-tail   FA3 forward bf16 d = 64, 128, 256, N = 2k, 4k, 8k, not causal: the stream-K tail (the last round's
+             tiles split over the keys, tile_order.tail_split) against none
   fwd-d128-3wg  FA3 forward bf16 d = 128, N = 2k, 4k, 8k and causal 2k, 8k: the table's two consumer
              warpgroups over 128-key tiles against three (192-row tiles) over 64-key tiles, with and without
              the pingpong, with 3 stages
@@ -51,7 +53,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-d128-3wg] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-d128-3wg] [fwd-tail] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -499,6 +501,15 @@ def fwd_d128_3wg(rounds, reps):
         fwd_interleaved(128, n, causal, D128_3WG, rounds, reps)
 
 
+def fwd_tail(rounds, reps):
+    """FA3 forward bf16 without a mask, d = 64 / 128 / 256, N = 2k / 4k / 8k: the stream-K tail (the last,
+    part-empty round's tiles split over the keys: tile_order.tail_split) against none."""
+    configs = {"tail": as_is, "no tail": lambda: replaced(heuristics, "FA3_TAIL_SPLIT", False)}
+    for d in BF16_HEADDIMS:
+        for n in (2048, 4096, 8192):
+            fwd_interleaved(d, n, False, configs, rounds, reps)
+
+
 def rows_from_zero():
     """fa3's launches tile the query rows from row 0 (no row_shift: the spare rows after the end)."""
     def unshifted(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window):
@@ -585,7 +596,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-d128-3wg": fwd_d128_3wg, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-d128-3wg": fwd_d128_3wg, "fwd-tail": fwd_tail, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

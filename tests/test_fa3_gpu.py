@@ -105,6 +105,84 @@ def test_persistent_blocks_walk_many_tiles(poison_allocations, d, causal):
     _check(q, k, v, causal)
 
 
+def _tail_shape(d, softcap=False, group=1):
+    """(query rows, keys, heads) of an unmasked call at head dim d whose tiles are one round of the
+    persistent grid and a few more: the stream-K tail (fa3.fill_tail) splits those over the keys."""
+    t = fa3.fwd_tiles(d, unmasked=True, softcap=softcap)
+    sq, sk = 768, 913
+    m_blocks = -(-sq // fa3.fwd_block_m(t))
+    heads = -(-(fa3._sm_count() // m_blocks + 1) // group) * group
+    return sq, sk, heads
+
+
+def _spy_tail(monkeypatch):
+    """fa3.fill_tail's results, call by call."""
+    made, fill = [], fa3.fill_tail
+    monkeypatch.setattr(fa3, "fill_tail", lambda *a, **kw: made.append(fill(*a, **kw)) or made[-1])
+    return made
+
+
+@pytest.mark.parametrize("d", HEADDIMS)
+@pytest.mark.parametrize("case", ["plain", "gqa", "softcap", "fp16", "d_v"])
+def test_forward_stream_k_tail(poison_allocations, monkeypatch, d, case):
+    """One round of tiles and a few more: the rest are split over the keys into pieces on every block, each
+    tile's pieces merged by the block holding its last (partials through global memory, flags with the
+    call's tag). Every head dim, GQA (without packing), softcap, fp16, and a narrower V (FWD_HEADDIM_V);
+    the split must have been taken."""
+    if case == "d_v" and d not in fa3.FWD_HEADDIM_V:
+        pytest.skip("no narrower V at this head dim")
+    group = 2 if case == "gqa" else 1
+    sq, sk, heads = _tail_shape(d, case == "softcap", group)
+    made = _spy_tail(monkeypatch)
+    rng = np.random.default_rng()
+    dtype = "float16" if case == "fp16" else "bfloat16"
+    q, k, v = _inputs(rng, 1, sq, sk, heads, heads // group, d, dtype)
+    if case == "d_v":  # (O has V's head dim: not check_forward's shape)
+        v = v[..., : fa3.FWD_HEADDIM_V[d][0]].copy()
+        out, lse = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa3")
+        o_ref, lse_ref = ref.attention_ref(q, k, v)
+        ref.check_close("out", out, o_ref, ref.attention_ref_lowp(q, k, v)[0])
+        ref.check_close("lse", lse, lse_ref, lse_ref, atol=2e-3)
+    elif case == "softcap":
+        _check(q * 4, k, v, softcap=5.0)
+    else:
+        _check(q, k, v)
+    assert len(made) == 1 and made[0] is not None, "the call took no stream-K tail"
+
+
+def test_forward_stream_k_tail_replays_in_a_graph(monkeypatch):
+    """A captured call carries one tag: each merging block resets the flags it waited on, so every replay
+    (new inputs in place) waits for its own partials again and equals an eager call bit for bit."""
+    import cupy
+
+    from cuflash.bench import capture_on_stream
+
+    sq, sk, heads = _tail_shape(128)
+    made = _spy_tail(monkeypatch)
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, 1, sq, sk, heads, heads, 128, "bfloat16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    pool = cupy.cuda.MemoryPool()
+    with stream:
+        cuflash.flash_attn_func(q, k, v, impl="fa3")  # compile and load outside the capture
+        stream.synchronize()
+        with cupy.cuda.using_allocator(pool.malloc):
+            graph, (out_g, lse_g) = capture_on_stream(
+                stream, lambda: cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa3"))
+        for trial in range(3):
+            for dst in (q, k, v):
+                dst[...] = cupy.asarray(rng.standard_normal(dst.shape, dtype=np.float32)).astype(dst.dtype)
+            graph.launch(stream)
+            out_e, lse_e = cuflash.flash_attn_func(q, k, v, return_lse=True, impl="fa3")
+            stream.synchronize()
+            assert bool((out_g.view("uint16") == out_e.view("uint16")).all()), trial
+            assert bool((lse_g == lse_e).all()), trial
+        check_forward("fa3", q, k, v)
+    assert all(m is not None for m in made)
+    del graph
+    pool.free_all_blocks()
+
+
 @pytest.mark.parametrize("d", HEADDIMS)
 def test_persistent_blocks_skip_empty_tiles(poison_allocations, d):
     """A window (0, 0) with Sq = 2000 > Sk = 300: query rows before 1700 see no key, so most tiles are

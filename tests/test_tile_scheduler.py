@@ -362,3 +362,137 @@ def test_shifted_backward_model_matches_the_exact_gradients(seed):
                                       left, right, block_m, block_n, shift)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w[0, :, 0], rtol=1e-9, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the stream-K tail (TailSplit; cuflash/tile_order.py tail_split)
+# ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tail_lib(lib):
+    lib.scheduler_walk_tail.argtypes = [ctypes.c_int] * 10 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_longlong]
+    lib.scheduler_walk_tail.restype = ctypes.c_longlong
+    return lib
+
+
+def walk_tail(lib, m_blocks, heads, batch, section, grid, serpentine, start, units, k_blocks, slots) -> np.ndarray:
+    """(visits, 9) rows (block, m_block, head, batch, n_lo, n_hi, slot, first, merges), blocks in order."""
+    cap = m_blocks * heads * batch * 2 + 2 * grid + 1
+    out = np.full((cap, 9), -7, np.int32)
+    n = lib.scheduler_walk_tail(m_blocks, heads, batch, section, int(serpentine), grid, start, units, k_blocks, slots,
+                                out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), cap)
+    assert n >= 0, "the scheduler visited more tiles and pieces than can exist"
+    return out[:n]
+
+
+TAIL_SHAPES = [  # m_blocks, heads, batch, section, grid, k_blocks: the benchmark shapes and odd ones
+    (16, 16, 8, 2, 132, 16), (32, 16, 4, 1, 132, 32), (64, 16, 2, 8, 132, 64), (8, 8, 16, 4, 132, 26),
+    (7, 5, 3, 4, 11, 9), (13, 6, 5, 8, 64, 12), (9, 2, 7, 1, 5, 3), (5, 7, 2, 64, 9, 40), (3, 3, 1, 2, 4, 7),
+    (2, 1, 67, 1, 132, 2),
+]
+
+
+@pytest.mark.parametrize("serpentine", [False, True])
+@pytest.mark.parametrize("m_blocks,heads,batch,section,grid,k_blocks", TAIL_SHAPES)
+def test_tail_pieces_cover_every_key_once_and_merge_safely(tail_lib, m_blocks, heads, batch, section, grid, k_blocks,
+                                                           serpentine):
+    """With tile_order.tail_split's split: the rounds' tiles once each with all their K tiles, then every tail
+    tile's K tiles exactly once over its pieces; one piece per tail tile (the one holding its last K tile)
+    merges, and the others' slots are exactly its range; a block takes at most two pieces, its merging one
+    last, and a merge waits only for pieces of lower-numbered blocks, each that block's first piece (so no
+    block ever waits for a block that waits)."""
+    tiles = m_blocks * heads * batch
+    split = tile_order.tail_split(tiles, grid, k_blocks)
+    assert split is not None, "every shape here leaves a part-empty last round worth splitting"
+    start, units, slots = split
+    assert start % grid == 0 and 0 < tiles - start < grid and 1 <= units <= k_blocks
+    rows = walk_tail(tail_lib, m_blocks, heads, batch, section, grid, serpentine, start, units, k_blocks, slots)
+    index = {tuple(r[1:4]): linear_index(m_blocks, heads, batch, section, *r[1:4]) for r in rows}
+    regular = [r for r in rows if index[tuple(r[1:4])] < start]
+    assert len(regular) == start and len({tuple(r[1:4]) for r in regular}) == start
+    assert all(r[4] == 0 and r[5] == k_blocks and tuple(r[6:]) == (-1, 0, 0) for r in regular)
+    pieces = {}
+    for pos, r in enumerate(rows):
+        j = index[tuple(r[1:4])] - start
+        if j >= 0:
+            pieces.setdefault(j, []).append((pos, *r))
+    assert sorted(pieces) == list(range(tiles - start))
+    for j, got in pieces.items():
+        keys = sorted(k for piece in got for k in range(piece[5], piece[6]))
+        assert keys == list(range(k_blocks)), (j, keys)
+        owners = [piece for piece in got if piece[7] < 0]
+        assert len(owners) == 1 and owners[0][6] == k_blocks, (j, got)
+        owner = owners[0]
+        others = sorted(piece[7] for piece in got if piece[7] >= 0)
+        assert owner[8] == j * slots and owner[9] == len(others) and others == list(range(j * slots, j * slots + len(others)))
+        assert len(others) <= slots
+        for piece in got:
+            if piece[7] >= 0:
+                assert piece[1] < owner[1], "a merge waits for a block numbered above it"
+                first_of_block = next(r for r in rows if r[0] == piece[1] and index[tuple(r[1:4])] >= start)
+                assert tuple(first_of_block[1:4]) == tuple(piece[2:5]), "a partial is not its block's first piece"
+    for block in range(grid):
+        mine = [r for r in rows if r[0] == block]
+        tail = [r for r in mine if index[tuple(r[1:4])] >= start]
+        assert len(tail) <= 2 and mine[-len(tail):] == tail if tail else True
+        assert all(r[6] < 0 for r in tail[1:]), "a block's second piece must be the merging one"
+        assert sum(r[5] - r[4] for r in tail) <= units
+
+
+def test_tail_split_only_where_the_model_gains():
+    """tile_order.tail_split: none without a part-empty last round, a whole round or when the pieces' own
+    costs eat the gain; at the benchmark shapes (2048 / 1024 tiles on 132 SMs) the busiest block's modelled
+    work falls by 2-3 %."""
+    assert tile_order.tail_split(264, 132, 16) is None  # whole rounds
+    assert tile_order.tail_split(100, 132, 16) is None  # less than one round: nothing waits on a tail
+    assert tile_order.tail_split(2048, 132, 1) is None  # one K tile per tile: nothing to split
+    assert tile_order.tail_split(131 + 132, 132, 16) is None  # 131 of 132 blocks busy in the last round
+    for tiles, k_blocks in ((2048, 16), (2048, 64), (1024, 26)):
+        start, units, slots = tile_order.tail_split(tiles, 132, k_blocks)
+        rounds = start // 132
+        before = (rounds + 1) * (k_blocks + 1)
+        after = rounds * (k_blocks + 1) + units + 2 + 0.5 * slots
+        assert start == 132 * (tiles // 132) and 0.015 < 1 - after / before < 0.04, (tiles, k_blocks, after / before)
+
+
+@pytest.mark.parametrize("d,dv", [(64, None), (128, None), (128, 64), (256, None), (256, 128), (96, None)])
+def test_fill_tail_sizes_the_partials_as_the_kernel_indexes_them(monkeypatch, d, dv):
+    """cuflash.fa3.fill_tail (host only, CuPy's allocations faked): the tail_* fields are tail_split's, the
+    partials hold every slot's (tail tiles x slots x consumers) OD / 8 + 1 float4 for 128 threads
+    (fa3/fwd.cu partial_of), one flag each, and every call gets a new non-zero tag."""
+    import sys
+    from unittest import mock
+
+    from cuflash import _validate, fa3
+
+    made = []
+
+    def empty(shape, dtype):
+        arr = mock.MagicMock(name="cupy array")
+        arr.size, arr.dtype, arr.data.ptr = int(np.prod(shape)), np.dtype(dtype), 4096 * (len(made) + 1)
+        made.append(arr)
+        return arr
+
+    fake = mock.MagicMock(name="cupy")
+    fake.empty, fake.float32, fake.uint64 = empty, np.float32, np.uint64
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    t = fa3.fwd_tiles(d, unmasked=True)
+    block_m, grid = fa3.fwd_block_m(t), 132
+    dims = _validate.Dims(8, 2048, 2048, 2048 // d, 2048 // d, d, "bfloat16", headdim_v=dv)
+    tags = []
+    for _ in range(2):
+        p = np.zeros(1, fa3.PARAMS)
+        assert fa3.fill_tail(p, dims, block_m, t, grid) is not None
+        m_blocks = -(-2048 // block_m)
+        k_blocks = -(-2048 // t.block_n)
+        start, units, slots = tile_order.tail_split(m_blocks * dims.heads * dims.batch, grid, k_blocks)
+        assert (int(p["tail_start"][0]), int(p["tail_units"][0]), int(p["tail_k_blocks"][0]),
+                int(p["tail_slots"][0])) == (start, units, k_blocks, slots)
+        partials, flags = made[-2:]
+        entries = (m_blocks * dims.heads * dims.batch - start) * slots * t.consumers
+        od = -(-(dv or d) // 64) * 64
+        assert partials.size == entries * (od // 8 + 1) * 128 * 4 and partials.dtype == np.float32
+        assert flags.size == entries and flags.dtype == np.uint64
+        assert int(p["tail_partials"][0]) == partials.data.ptr and int(p["tail_flags"][0]) == flags.data.ptr
+        tags.append(int(p["tail_tag"][0]))
+    assert 0 not in tags and tags[0] != tags[1]

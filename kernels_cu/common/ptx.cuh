@@ -106,6 +106,15 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void st_release(int* p, int v) {
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// ... and 64-bit ones (the FA3 forward's tail pieces: a flag holds the call's 64-bit tag when set).
+__device__ __forceinline__ u64 ld_acquire(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(u64* p, u64 v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 // Programmatic dependent launch (sm_90+; no-ops below, where the launcher never asks for it). A grid
 // launched with the programmatic-stream-serialisation attribute after this one (cuflash._jit.launch_dependent)

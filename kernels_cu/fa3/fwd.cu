@@ -34,6 +34,7 @@
 // and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N, CUFLASH_CONSUMERS (2, 3),
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
+// CUFLASH_TAIL_SPLIT (0/1: the stream-K tail of calls without a mask),
 // CUFLASH_PINGPONG (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
 // the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a probe asks).
 #include "common/hopper.cuh"
@@ -93,6 +94,10 @@ static_assert(!(STORE_O_TMA && VARLEN), "packed batches store O from registers")
 constexpr bool PACK_GQA = CUFLASH_PACK_GQA;
 static_assert(!(PACK_GQA && (VARLEN || STORE_O_TMA)), "GQA packing: fixed-length batches, O from registers");
 static_assert(!(FP8 && (SOFTCAP || VARLEN || PACK_GQA)), "FP8: fixed-length batches, no softcap");
+// The stream-K tail (common/tile_scheduler.cuh TailSplit): compiled into the variants that calls without a
+// mask take (cuflash/fa3.py fill_tail sets tail_units for those calls only).
+constexpr bool TAIL_SPLIT = CUFLASH_TAIL_SPLIT;
+static_assert(!(TAIL_SPLIT && (FP8 || VARLEN || PACK_GQA)), "the tail: fixed-length bf16 / fp16 batches, unpacked");
 static_assert(!FP8 || BN == 128, "FP8: a V^T tile row is exactly one 128-byte atom of keys");
 static_assert(!FP8 || DV == D, "FP8: V has the head dim of Q and K");
 constexpr int ATOMS = DP / ATOM_COLS;  // atoms per row of a Q or K tile
@@ -372,6 +377,61 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     }
 }
 
+// Stream-K tail pieces (common/tile_scheduler.cuh). A consumer warpgroup's partial in slot `slot`: per
+// thread its O (unnormalised, in the accumulator layout) as OD / 8 float4, then its two rows' maxima and
+// (thread-partial) sums, each float4 128 threads wide so that a warp's access is 512 contiguous bytes.
+__device__ __forceinline__ float4* partial_of(const Fa3FwdParams& p, int slot, int c, int t) {
+    return reinterpret_cast<float4*>(p.tail_partials) + (i64(slot) * CONSUMERS + c) * (OD / 8 + 1) * 128 + t;
+}
+
+// A piece that is not its tile's last: O and the softmax state to the slot, then the slot's flag (after
+// every thread's stores are visible on the GPU).
+__device__ __forceinline__ void save_partial(const Fa3FwdParams& p, int slot, int c, int t, const float (&o)[OD / 2],
+                                             const OnlineSoftmax& sm) {
+    float4* dst = partial_of(p, slot, c, t);
+#pragma unroll
+    for (int j = 0; j < OD / 8; ++j) dst[j * 128] = make_float4(o[4 * j], o[4 * j + 1], o[4 * j + 2], o[4 * j + 3]);
+    dst[OD / 8 * 128] = make_float4(sm.row_max[0], sm.row_max[1], sm.row_sum[0], sm.row_sum[1]);
+    __threadfence();
+    named_sync(EPILOGUE_BAR + c, 128);
+    if (t == 0) st_release(p.tail_flags + slot * CONSUMERS + c, p.tail_tag);
+}
+
+// The tile's last piece: waits for the partial in `slot` and merges it into its own O and softmax state,
+// as the online softmax merges a tile (both rescaled to the larger row maximum). The flag is reset for the
+// next call (a graph replay's carries the same tag). Thread-partial sums add thread by thread: the
+// epilogue's quad sum then gives the row's.
+__device__ __forceinline__ void merge_partial(const Fa3FwdParams& p, int slot, int c, int t, float (&o)[OD / 2],
+                                              OnlineSoftmax& sm) {
+    if (t == 0) {
+        u64* flag = p.tail_flags + slot * CONSUMERS + c;
+        while (ld_acquire(flag) != p.tail_tag) {
+        }
+        *flag = 0;
+    }
+    named_sync(EPILOGUE_BAR + c, 128);
+    const float4* src = partial_of(p, slot, c, t);
+    const float4 state = __ldcg(src + OD / 8 * 128);  // (L2: written by another SM)
+    const float theirs_max[2] = {state.x, state.y}, theirs_sum[2] = {state.z, state.w};
+    float mine[2], theirs[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float mx = fmaxf(sm.row_max[r], theirs_max[r]);
+        mine[r] = sm.row_max[r] == mx ? 1.f : fast_exp2((sm.row_max[r] - mx) * p.scale_log2);
+        theirs[r] = theirs_max[r] == mx ? 1.f : fast_exp2((theirs_max[r] - mx) * p.scale_log2);
+        sm.row_sum[r] = sm.row_sum[r] * mine[r] + theirs_sum[r] * theirs[r];
+        sm.row_max[r] = mx;
+    }
+#pragma unroll
+    for (int j = 0; j < OD / 8; ++j) {
+        const float4 x = __ldcg(src + j * 128);
+        o[4 * j] = o[4 * j] * mine[0] + x.x * theirs[0];
+        o[4 * j + 1] = o[4 * j + 1] * mine[0] + x.y * theirs[0];
+        o[4 * j + 2] = o[4 * j + 2] * mine[1] + x.z * theirs[1];
+        o[4 * j + 3] = o[4 * j + 3] * mine[1] + x.w * theirs[1];
+    }
+}
+
 // The query rows [first, last] of a tile's `rows` rows from packed row `row0` (rows = BM for the whole
 // tile, 64 for one consumer's); `last` may pass the sequence's end. With GQA packing a packed row r is
 // query r / group.
@@ -436,6 +496,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // The order the tiles run in: sections of (head, batch) pairs whose K / V share L2, dealt round by round
     // (common/tile_scheduler.cuh), as the host chose them for this call (cuflash/tile_order.py).
     const bool serpentine = p.sched_serpentine != 0;
+    const TailSplit tail = TAIL_SPLIT ? TailSplit{p.tail_start, p.tail_units, p.tail_k_blocks, p.tail_slots}
+                                      : TailSplit{0, 0, 1, 0};
 
     if (threadIdx.x == 0) {
         mbar_init(&sm.q_full, 1);
@@ -457,7 +519,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         regs_decrease<PRODUCER_REGS>();  // so that the consumers' increase can be granted
         if (threadIdx.x != 0) return;
         int i = 0, q_iter = 0;
-        for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
+        for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
+             sched.advance()) {
             const Tile tile = sched.tile();
             const SeqInfo seq = sequence(p, tile.batch);
             const int row0 = tile.m_block * BM - row_shift;
@@ -467,6 +530,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const Mask mask{seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
             int n_lo, n_hi;
             mask.kv_block_range_rows<BN>(max(q_first, 0), min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
+            sched.clip(n_lo, n_hi);  // a tail piece: its K tiles only
             if (n_lo == n_hi) continue;
             const int kv_head = PACK_GQA ? tile.head : tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
             mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
@@ -509,7 +573,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     int i = 0, q_iter = 0;
     if (c == CONSUMERS - 1) pass_the_turn(c);  // consumer 0 issues first; it takes the matching turn at the very end
 
-    for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine); sched.valid(); sched.advance()) {
+    for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
+         sched.advance()) {
         const Tile tile = sched.tile();
         const SeqInfo seq = sequence(p, tile.batch);
         const int row0 = tile.m_block * BM - row_shift;
@@ -527,6 +592,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         int n_lo, n_hi;
         mask.kv_block_range_rows<BN>(max(q_first, 0), min(q_last, seq.seqlen_q - 1), n_lo, n_hi);
+        sched.clip(n_lo, n_hi);  // a tail piece: its K tiles only (never none: the host splits unmasked calls)
 #pragma unroll
         for (int j = 0; j < OD / 2; ++j) o[j] = 0.f;
         OnlineSoftmax softmax;
@@ -662,6 +728,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
             if (lane == 0) mbar_arrive(&sm.v_empty[s]);
             ++i;
+        }
+        if constexpr (TAIL_SPLIT) {  // a tail piece: leave a partial, or merge the tile's others first
+            const PieceRole role = sched.role();
+            if (role.slot >= 0) {
+                save_partial(p, role.slot, c, t, o, softmax);
+                continue;
+            }
+            for (int k = 0; k < role.merges; ++k) merge_partial(p, role.first + k, c, t, o, softmax);
         }
         // FP8: O is in units of the last tile's V descale
         const float v_scale = FP8 ? descale.v(p) : 1.f;

@@ -24,4 +24,12 @@ struct Fa3FwdParams {
     int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
     int sched_section, sched_serpentine;  // the persistent scheduler's order (cuflash/tile_order.py)
     int row_shift;  // query rows of the first query block before row 0 (fa3/fwd.cu; cuflash/fa3.py fill_schedule)
+    // The stream-K tail (common/tile_scheduler.cuh TailSplit; tail_units 0: none): a piece that is not its
+    // tile's last leaves O, the row maxima and sums in its slot of tail_partials (per slot and consumer
+    // warpgroup 128 threads x (OD / 8 + 1) float4, fa3/fwd.cu save_partial) and sets the slot's flag to
+    // tail_tag, which the merging block resets to 0 (so a captured graph replays with the same tag).
+    int tail_start, tail_units, tail_k_blocks, tail_slots;
+    float* tail_partials;
+    u64* tail_flags;  // per slot and consumer warpgroup
+    u64 tail_tag;     // this call's: a flag left over from another call never holds it
 };

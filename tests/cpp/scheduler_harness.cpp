@@ -43,4 +43,29 @@ long long scheduler_walk(int m_blocks, int heads, int batch, int section, int se
     return count;
 }
 
+// The same walk with a stream-K tail (TailSplit{start, units, k_blocks, slots}): out[k] = (block, m_block, head,
+// batch, n_lo, n_hi, slot, first, merges) of the k-th tile or piece visited, [n_lo, n_hi) the K tiles
+// TileScheduler::clip leaves of [0, k_blocks), the rest its PieceRole. Returns the count, or -1.
+long long scheduler_walk_tail(int m_blocks, int heads, int batch, int section, int serpentine, int grid, int start,
+                              int units, int k_blocks, int slots, int32_t* out, long long capacity) {
+    long long count = 0;
+    gridDim.x = unsigned(grid);
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = unsigned(b);
+        for (TileScheduler sched(m_blocks, heads, batch, section, serpentine != 0,
+                                 TailSplit{start, units, k_blocks, slots});
+             sched.valid(); sched.advance()) {
+            if (count >= capacity) return -1;
+            const Tile t = sched.tile();
+            int n_lo = 0, n_hi = k_blocks;
+            sched.clip(n_lo, n_hi);
+            const PieceRole role = sched.role();
+            int32_t* row = out + 9 * count++;
+            row[0] = b, row[1] = t.m_block, row[2] = t.head, row[3] = t.batch, row[4] = n_lo, row[5] = n_hi;
+            row[6] = role.slot, row[7] = role.first, row[8] = role.merges;
+        }
+    }
+    return count;
+}
+
 }  // extern "C"
