@@ -521,14 +521,16 @@ def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_
 
 def bwd_dq_accumulators(dims: Dims, window, plane_bytes: int, deterministic: bool) -> int:
     """dQ accumulator planes of the backward (a power of two, one after another in one buffer, each
-    ``plane_bytes`` long: the fp32 dQ accumulator's size). 1 but in deterministic mode in the descending
-    order (not rotated), where each Q block's adds are a chain of hand-offs, one per K block above
-    (fa3/bwd_roles.cuh dq_turn). The chain hides behind other heads' work when the grid has many (batch x KV
-    heads) columns; with few, K block n adds into plane n mod planes, which makes each chain that many times
-    shorter, and the conversion sums the planes in order (common/bwd_aux.cu): planes x batch x KV heads up
-    to heuristics.FA3_DET_DQ_GRID_HEADS, at most FA3_DET_MAX_DQ_ACCUMULATORS planes and
-    FA3_DET_DQ_ACCUM_MAX_BYTES of them in all."""
-    if not deterministic:
+    ``plane_bytes`` long: the fp32 dQ accumulator's size). 1 but in deterministic mode without a mask
+    bounding the rows, in the descending order (not rotated): there every K block starts at Q block 0, so
+    each Q block's adds are a chain of hand-offs, one per K block above (fa3/bwd_roles.cuh dq_turn). The
+    chain hides behind other heads' work when the grid has many (batch x KV heads) columns; with few, K
+    block n adds into plane n mod planes, which makes each chain that many times shorter, and the
+    conversion sums the planes in order (common/bwd_aux.cu): planes x batch x KV heads up to
+    heuristics.FA3_DET_DQ_GRID_HEADS, at most FA3_DET_MAX_DQ_ACCUMULATORS planes and
+    FA3_DET_DQ_ACCUM_MAX_BYTES of them in all. Under a causal mask or a window the K blocks reach a Q block
+    one step apart and there is no chain to cut: planes only cost there (heuristics)."""
+    if not deterministic or not _unmasked(window, dims):
         return 1
     k_blocks = -(-dims.seqlen_k // bwd_block_n(dims.headdim))
     if bwd_rotates(window, dims, k_blocks, _sm_count()):

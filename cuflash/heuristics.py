@@ -262,9 +262,14 @@ FA3_WIDE_SECTION_MAX_STREAM_BYTES = 3 << 20
 # benchmark shape of d = 128, 1024 at d = 256: 3 % of the blocks' time idle) is cut over the keys into one
 # range of K tiles per block, a tile's pieces merged by the block holding its last. Taken where the model's
 # busiest block gains more than FA3_TAIL_MIN_GAIN; a merge is modelled as FA3_TAIL_MERGE_COST K tiles per
-# partial (reading 64 KB per warpgroup from L2 after a flag). Not yet measured on the H200.
+# partial (reading 64 KB per warpgroup from L2 after a flag). H200 (scripts/ab_probe.py fwd-tail, session
+# 23, 9 interleaved rounds, TF/s tail / none, model's gain in brackets): d = 64 2k 441 / 433 (2.0 %), 4k 467
+# / 454 (2.5 %), 8k 490 / 489 (0.5 %); d = 128 2k 559 / 561 (1.8 %), 4k 603 / 591 (2.5 %), 8k 604 / 592
+# (2.8 %); d = 256 2k 648 / 670 (1.9 %), 4k 682 / 673 (2.4 %), 8k 708 / 693 (2.6 %). The model runs
+# 0.5-1 point high where the tiles are long and misses the 2k cells of d >= 128 by 2-5 points (a piece's
+# fixed costs weigh more there than "one K tile"), hence the 2.2 % bar: the tail runs at 4k and beyond.
 FA3_TAIL_SPLIT = True
-FA3_TAIL_MIN_GAIN = 0.005
+FA3_TAIL_MIN_GAIN = 0.022
 FA3_TAIL_MERGE_COST = 0.5
 FA3_TAIL_MAX_PIECES = 4  # (at most this many pieces per tile: a tile's merge reads its partials one by one)
 
@@ -312,12 +317,16 @@ FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILE
 # on the H200 (deterministic / default TF/s, not causal): d = 256 N = 2k 0.70 -> 0.85, 4k 0.70 -> 0.84
 # (0.25 of the SMs left 4k out); d = 128 8k 0.97 either way.
 FA3_BWD_ROTATE_SM_FRACTION = 0.5
-# Deterministic FA3 backward in the descending order: dQ accumulator planes (cuflash/fa3.py
+# Deterministic FA3 backward without a mask, in the descending order: dQ accumulator planes (cuflash/fa3.py
 # bwd_dq_accumulators) until planes x batch x KV heads reaches FA3_DET_DQ_GRID_HEADS. Each Q block's adds are a
 # chain of hand-offs of about a step each; with many (batch, KV head) columns in the grid other heads' work
 # hides it (session 21, d = 256 N = 8k, deterministic / default by batch x heads: 1: 0.51, 2: 0.62, 4: 0.72,
 # 16: 0.875), with few it is most of the time. Planes cost their zeroing and reading (a plane is the size of
-# dQ in fp32), so at most FA3_DET_MAX_DQ_ACCUMULATORS of them and FA3_DET_DQ_ACCUM_MAX_BYTES in all.
+# dQ in fp32), so at most FA3_DET_MAX_DQ_ACCUMULATORS of them and FA3_DET_DQ_ACCUM_MAX_BYTES in all. H200
+# (scripts/ab_probe.py bwd-det-heads, session 23, d = 256 N = 8k, TF/s, default / planes / one plane):
+# non-causal 1 head 359 / 303 (8 planes) / 210, 2 heads 454 / 343 (8) / 284, 4 heads 460 / 367 (4) / 331,
+# 16 heads 434 / 380 / 377 (1: the same kernel); causal 1 head 216 / 166 / 199, 2 heads 441 / 167 / 247,
+# 4 heads 451 / 227 / 309 -- under a causal mask the planes lost 15-32 %, so they are for unmasked calls only.
 FA3_DET_DQ_GRID_HEADS = 16
 FA3_DET_MAX_DQ_ACCUMULATORS = 8
 FA3_DET_DQ_ACCUM_MAX_BYTES = 1 << 30

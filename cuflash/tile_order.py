@@ -168,6 +168,18 @@ def bwd_row_shift(seqlen_q: int, seqlen_k: int, window: tuple[int, int], block_m
 
 
 def tail_split(tiles: int, grid: int, k_blocks: int) -> tuple[int, int, int] | None:
+    """_tail_split with heuristics.FA3_TAIL_* (None when FA3_TAIL_SPLIT is off)."""
+    from . import heuristics
+
+    if not heuristics.FA3_TAIL_SPLIT:
+        return None
+    return _tail_split(tiles, grid, k_blocks, heuristics.FA3_TAIL_MIN_GAIN, heuristics.FA3_TAIL_MERGE_COST,
+                       heuristics.FA3_TAIL_MAX_PIECES)
+
+
+@functools.lru_cache(maxsize=512)
+def _tail_split(tiles: int, grid: int, k_blocks: int, min_gain: float, merge_cost: float,
+                max_pieces: int) -> tuple[int, int, int] | None:
     """The FA3 forward's stream-K tail for ``tiles`` equal tiles of ``k_blocks`` K tiles each on ``grid``
     persistent blocks (kernels_cu/common/tile_scheduler.cuh TailSplit): (start, units, slots), or None where
     it does not pay. The rounds stop at the last whole one (start = rounds x grid); the K tiles of the rest,
@@ -175,16 +187,15 @@ def tail_split(tiles: int, grid: int, k_blocks: int) -> tuple[int, int, int] | N
     heuristics.FA3_TAIL_MAX_PIECES)), a block's range holding at most the end of one tile and the start of
     the next; ``slots``: the most pieces a tile has, less one (its last
     piece merges the others). Cost model (tile_costs'): a tile or piece costs its K tiles plus one (prologue
-    and epilogue), a merge heuristics.FA3_TAIL_MERGE_COST per partial; the split is taken where the busiest
-    block's work falls by more than heuristics.FA3_TAIL_MIN_GAIN. At the benchmark shapes (2048 tiles of 128
-    rows, 132 SMs: 15 rounds and 68 tiles) d = 128, N = 2k: 16 x 17 = 272 -> 15 x 17 + 9 + 2 + 1 = 267."""
-    from . import heuristics
-
+    and epilogue), a merge ``merge_cost`` per partial; the split is taken where the busiest block's work
+    falls by more than ``min_gain``, with at most ``max_pieces`` pieces per tile (heuristics.FA3_TAIL_*). At the
+    benchmark shapes (2048 tiles of 128 rows, 132 SMs: 15 rounds and 68 tiles) d = 128, N = 2k: 16 x 17 = 272
+    -> 15 x 17 + 9 + 2 + 1 = 267. Cached: it runs on every forward call's host path."""
     rounds, rest = divmod(tiles, grid)
-    if not heuristics.FA3_TAIL_SPLIT or rounds == 0 or rest == 0 or k_blocks < 2:
+    if rounds == 0 or rest == 0 or k_blocks < 2:
         return None
     # (at least a share of a tile per block: a merge reads each partial one after the other)
-    units = max(-(-rest * k_blocks // grid), -(-k_blocks // heuristics.FA3_TAIL_MAX_PIECES))
+    units = max(-(-rest * k_blocks // grid), -(-k_blocks // max_pieces))
     total = rest * k_blocks
     if total >= 2 ** 31 or grid * units >= 2 ** 31:
         return None
@@ -199,8 +210,8 @@ def tail_split(tiles: int, grid: int, k_blocks: int) -> tuple[int, int, int] | N
             if hi >= (j + 1) * k_blocks:  # this block holds tile j's last piece: it merges the others
                 others = block - j * k_blocks // units
                 slots = max(slots, others)
-                cost += heuristics.FA3_TAIL_MERGE_COST * others
+                cost += merge_cost * others
         worst = max(worst, cost)
-    if rounds * (k_blocks + 1) + worst > (rounds + 1) * (k_blocks + 1) * (1 - heuristics.FA3_TAIL_MIN_GAIN):
+    if rounds * (k_blocks + 1) + worst > (rounds + 1) * (k_blocks + 1) * (1 - min_gain):
         return None
     return rounds * grid, units, max(slots, 1)

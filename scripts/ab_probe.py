@@ -39,9 +39,6 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
   fwd-tail   FA3 forward bf16 d = 64, 128, 256, N = 2k, 4k, 8k, not causal: the stream-K tail (the last round's
              tiles split over the keys, tile_order.tail_split) against none
-  fwd-d128-3wg  FA3 forward bf16 d = 128, N = 2k, 4k, 8k and causal 2k, 8k: the table's two consumer
-             warpgroups over 128-key tiles against three (192-row tiles) over 64-key tiles, with and without
-             the pingpong, with 3 stages
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
@@ -53,7 +50,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-d128-3wg] [fwd-tail] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -177,13 +174,6 @@ def list_variants() -> list:
                 dims = _validate.Dims(1, n, n, 1, 1, 64, "bfloat16")
                 window = _validate.window_bounds((-1, -1), causal, dims)
                 out.append(fa3.fwd_variant(64, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                           short_masked=fa3._short_masked(window, dims)))
-    for config in D128_3WG.values():  # fwd_d128_3wg's
-        with config():
-            for n, causal in D128_3WG_CASES:
-                dims = _validate.Dims(1, n, n, 1, 1, 128, "bfloat16")
-                window = _validate.window_bounds((-1, -1), causal, dims)
-                out.append(fa3.fwd_variant(128, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                            short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
@@ -475,39 +465,29 @@ def fwd_d64(rounds, reps):
         fwd_interleaved(64, n, causal, D64, rounds, reps)
 
 
-def d128_3wg(**tiles):
-    """d = 128 calls take three consumer warpgroups (192-row tiles, 160 registers each: 64-key tiles, whose S
-    32 + P 16 + O 64 registers fit beside the intra-warpgroup overlap; 128 keys make ptxas serialise the
-    wgmma) with ``tiles``."""
-    t = heuristics.Fa3Tiles(**({"block_n": 64, "stages": 2, "consumers": 3, "pingpong": False} | tiles))
-    return tables_edited((heuristics.FA3_TILES_3WG,), lambda table: table.update({128: t}))
-
-
-D128_3WG = {  # name -> a new context manager per use
-    "table": as_is,
-    "3wg 64 keys": lambda: d128_3wg(),
-    "3wg 64 keys pingpong": lambda: d128_3wg(pingpong=True),
-    "3wg 64 keys 3 stages": lambda: d128_3wg(stages=3),
-}
-D128_3WG_CASES = ((2048, False), (4096, False), (8192, False), (2048, True), (8192, True))  # (N, causal)
-
-
-def fwd_d128_3wg(rounds, reps):
-    """FA3 forward d = 128 (issue 4: N = 2k non-causal at 0.97-0.98 of cuDNN): the table's two warpgroups of
-    64 rows over 128-key tiles against three over 64-key tiles. cuDNN's kernel moves 30 % fewer bytes
-    through L2 than ours at 2k (ncu, session 22), what 192-row tiles would; three warpgroups also cut the
-    tiles, and so the per-tile prologue and epilogue, to two thirds."""
-    for n, causal in D128_3WG_CASES:
-        fwd_interleaved(128, n, causal, D128_3WG, rounds, reps)
-
-
 def fwd_tail(rounds, reps):
     """FA3 forward bf16 without a mask, d = 64 / 128 / 256, N = 2k / 4k / 8k: the stream-K tail (the last,
     part-empty round's tiles split over the keys: tile_order.tail_split) against none."""
+    import time
+
+    import cuflash
+
     configs = {"tail": as_is, "no tail": lambda: replaced(heuristics, "FA3_TAIL_SPLIT", False)}
     for d in BF16_HEADDIMS:
         for n in (2048, 4096, 8192):
             fwd_interleaved(d, n, False, configs, rounds, reps)
+    # the host path per call (the loop does not wait for the GPU): above the kernel's time it would starve it
+    b, h, (q, k, v) = bench_shape(128, 2048, 3)
+    for name, config in configs.items():
+        with config():
+            cuflash.flash_attn_func(q, k, v, impl="fa3")
+            cupy.cuda.Device().synchronize()
+            start = time.perf_counter()
+            for _ in range(100):
+                cuflash.flash_attn_func(q, k, v, impl="fa3")
+            host_us = (time.perf_counter() - start) / 100 * 1e6
+            cupy.cuda.Device().synchronize()
+        print(f"fa3 bf16 d=128 N=2048 host per call, {name}: {host_us:.1f} us", flush=True)
 
 
 def rows_from_zero():
@@ -596,7 +576,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-d128-3wg": fwd_d128_3wg, "fwd-tail": fwd_tail, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

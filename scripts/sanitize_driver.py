@@ -85,7 +85,7 @@ def _fp8_attention_available():
 
 
 def _cases(name, direction):
-    from cuflash import api
+    from cuflash import api, fa3
 
     fam = importlib.import_module(f"cuflash.{name}")
     feats = fam.FWD_FEATURES if direction == "fwd" else fam.BWD_FEATURES
@@ -106,6 +106,11 @@ def _cases(name, direction):
             # three consumer warpgroups, 64 of the 122 spare rows before row 0 (tile_order.row_shift): Q
             # loaded from before the tensor, the first warpgroup stores nothing
             cases.append(dict(b=1, sq=1030, sk=1030, h=2, hkv=1, d=64, dtype="bfloat16", causal=True))
+            # the stream-K tail (fa3.fill_tail): one round of one-block tiles and one more, whose K tiles go
+            # out in pieces to several blocks (partials, flags, the merge)
+            for d in (dims[0], 128, dims[-1]):
+                heads = fa3._sm_count() + 1
+                cases.append(dict(b=1, sq=128, sk=300, h=heads, hkv=heads, d=d, dtype="bfloat16", causal=False))
     cases.append(dict(b=1, sq=1, sk=133, h=4, hkv=2, d=mid, dtype="bfloat16", causal=True))
     if "window" in feats:
         cases.append(dict(b=1, sq=77, sk=133, h=2, hkv=1, d=mid, dtype="float16", causal=False, window=(16, 8)))
@@ -122,6 +127,10 @@ def _cases(name, direction):
         for d in (dims[0], dims[-1]):
             cases.append(dict(b=1, sq=300, sk=300, h=4, hkv=2, d=d, dtype="bfloat16", causal=True,
                               deterministic=True))
+        if name == "fa3":  # more K blocks than the rotated order takes, one head: dQ accumulator planes
+            for d in (128, dims[-1]):
+                cases.append(dict(b=1, sq=64, sk=8500 if d <= 128 else 4300, h=1, hkv=1, d=d, dtype="bfloat16",
+                                  causal=False, deterministic=True))
     if extra:
         d = 128 if 128 in dims else dims[-1]
         cases.append(dict(b=1, sq=133, sk=77, h=4, hkv=2, d=d, dtype="bfloat16", causal=True, **extra))

@@ -329,22 +329,22 @@ def test_backward_deterministic_is_bit_identical(d, causal):
 
 @pytest.mark.parametrize("d", BWD_HEADDIMS)
 @pytest.mark.parametrize("planes", [1, 2, 8])
-@pytest.mark.parametrize("mask", ["causal", "window"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_backward_deterministic_dq_planes(monkeypatch, poison_allocations, d, planes, mask):
-    """Deterministic mode with few heads in the grid takes several dQ accumulator planes
-    (fa3.bwd_dq_accumulators): K block n adds into plane n mod planes in its own descending order, the
-    conversion sums the planes in order. Against the reference, bit-identical run to run (varlen too), and
-    the launch really took that many planes."""
+    """Deterministic mode with several dQ accumulator planes (fa3.bwd_dq_accumulators takes them without a
+    mask, with few heads in the grid; forced here, with and without masks): K block n adds into plane
+    n mod planes in its own descending order, the conversion sums the planes in order. Against the
+    reference, bit-identical run to run (varlen too), and the launch really took that many planes."""
     import cupy
 
     from cuflash import _bwd_aux, heuristics
 
-    monkeypatch.setattr(heuristics, "FA3_DET_DQ_GRID_HEADS", planes)  # the grid below has one (batch, KV head)
-    monkeypatch.setattr(heuristics, "FA3_DET_MAX_DQ_ACCUMULATORS", planes)
+    monkeypatch.setattr(fa3, "bwd_dq_accumulators", lambda dims, window, plane_bytes, det: planes if det else 1)
+    monkeypatch.setattr(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0)  # (unmasked: the descending order too)
     seen = []
     convert = _bwd_aux.convert_dq
     monkeypatch.setattr(_bwd_aux, "convert_dq", lambda *a, **kw: (seen.append(kw["planes"]), convert(*a, **kw)))
-    options = dict(causal=True) if mask == "causal" else dict(window_size=(300, 40))  # (a mask: not rotated)
+    options = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(300, 40))}[mask]
     q, k, v = _inputs(np.random.default_rng(), 1, 1100, 1300, 3, 1, d, "bfloat16")
     dout, out, lse, first = check_backward("fa3", q, k, v, deterministic=True, **options)
     assert seen == [planes]

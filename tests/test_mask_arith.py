@@ -606,23 +606,24 @@ def test_dq_planes_never_wait_forever_and_shorten_the_chain(masklib, planes, til
 
 
 def test_the_host_takes_dq_planes_only_deterministic_with_few_heads(monkeypatch):
-    """cuflash.fa3.bwd_dq_accumulators: 1 outside deterministic mode and in the rotated order; else planes
-    until planes x batch x KV heads reaches heuristics.FA3_DET_DQ_GRID_HEADS, within
-    FA3_DET_MAX_DQ_ACCUMULATORS and FA3_DET_DQ_ACCUM_MAX_BYTES."""
+    """cuflash.fa3.bwd_dq_accumulators: 1 outside deterministic mode, under a causal mask or a window and in
+    the rotated order; else planes until planes x batch x KV heads reaches heuristics.FA3_DET_DQ_GRID_HEADS,
+    within FA3_DET_MAX_DQ_ACCUMULATORS and FA3_DET_DQ_ACCUM_MAX_BYTES."""
     from cuflash import _validate, fa3, heuristics
     from cuflash._validate import Dims
 
     monkeypatch.setattr(fa3, "_sm_count", lambda: 132)
 
-    def planes(batch, kv_heads, n, causal=True, deterministic=True, plane_bytes=1 << 20):
+    def planes(batch, kv_heads, n, causal=False, window=(-1, -1), deterministic=True, plane_bytes=1 << 20):
         dims = Dims(batch, n, n, 2 * kv_heads, kv_heads, 256, "bfloat16")
-        return fa3.bwd_dq_accumulators(dims, _validate.window_bounds((-1, -1), causal, dims), plane_bytes,
+        return fa3.bwd_dq_accumulators(dims, _validate.window_bounds(window, causal, dims), plane_bytes,
                                        deterministic)
 
     grid_heads, most = heuristics.FA3_DET_DQ_GRID_HEADS, heuristics.FA3_DET_MAX_DQ_ACCUMULATORS
     assert planes(1, 1, 8192, deterministic=False) == 1
-    assert planes(1, 1, 2048, causal=False) == 1  # 32 K blocks of 64 keys: the rotated order
-    assert planes(1, 1, 8192, causal=False) == min(most, grid_heads)  # 128 K blocks: descending
+    assert planes(1, 1, 8192, causal=True) == 1 and planes(1, 1, 8192, window=(1000, 0)) == 1
+    assert planes(1, 1, 2048) == 1  # 32 K blocks of 64 keys: the rotated order
+    assert planes(1, 1, 8192) == min(most, grid_heads)  # 128 K blocks: descending
     for batch, kv_heads in ((1, 1), (1, 2), (2, 2), (1, 8), (2, 8), (4, 8)):
         got = planes(batch, kv_heads, 8192)
         assert got & (got - 1) == 0 and got <= most
