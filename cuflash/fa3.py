@@ -94,6 +94,12 @@ def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
     return 64 * tiles.consumers
 
 
+def atom_padded(d: int, elem_bytes: int) -> int:
+    """d elements of elem_bytes in whole 128-byte atom rows, as the forward's tiles hold them (d = 96 in
+    bf16 as 128)."""
+    return -(-d * elem_bytes // 128) * 128 // elem_bytes
+
+
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
                 short_masked: bool = False, long_rows: bool = False) -> Variant:
@@ -106,8 +112,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
-    def padded(d):  # tiles hold whole 128-byte atom rows (d = 96 as 128)
-        return -(-d * elem // 128) * 128 // elem
+    def padded(d):
+        return atom_padded(d, elem)
 
     block_m = fwd_block_m(t)
     # the stream-K tail's code (fill_tail) only in the variants that calls without a mask take: d = 256's
@@ -300,12 +306,6 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     del tail  # its slots go back to the pool once queued: later work on the stream runs after the kernel
 
 
-def tail_o_columns(headdim_v: int) -> int:
-    """Columns of a consumer's O accumulator in a bf16 / fp16 forward (fa3/fwd.cu OD): d_v in whole
-    128-byte atoms. A tail partial holds OD / 8 + 1 float4 per thread (fa3/fwd.cu save_partial)."""
-    return -(-headdim_v * 2 // 128) * 128 // 2
-
-
 # Tags of the stream-K tail's flags (fill_tail): 64-bit, from a random start per process, never 0 (a
 # flag's reset value), one per call.
 _TAIL_TAGS = itertools.count(int.from_bytes(os.urandom(8), "little") >> 1 | 1)
@@ -324,7 +324,8 @@ def fill_tail(p, dims: Dims, block_m: int, tiles: heuristics.Fa3Tiles, grid: int
         return None
     start, units, slots = split
     tail_tiles = m_blocks * pairs - start
-    od = tail_o_columns(dims.headdim_v or dims.headdim)
+    # O's columns in a bf16 / fp16 forward (fa3/fwd.cu OD); a partial holds OD / 8 + 1 float4 per thread
+    od = atom_padded(dims.headdim_v or dims.headdim, 2)
     entries = tail_tiles * slots * tiles.consumers
     partials = cupy.empty(entries * (od // 8 + 1) * 128 * 4, dtype=cupy.float32)
     flags = cupy.empty(entries, dtype=cupy.uint64)  # (set to this call's tag when filled: no zeroing)
@@ -362,7 +363,7 @@ def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, bu
     group = dims.heads // dims.kv_heads
     m_blocks, pairs = _tile_counts(dims, block_m, pack)
     # K and V of a (head, batch) pair, rows of whole 128-byte atoms; a GQA group's query heads share them
-    kv_bytes = dims.seqlen_k * (-(-dims.headdim * elem_bytes // 128) * 128) * 2 // (1 if pack else group)
+    kv_bytes = dims.seqlen_k * atom_padded(dims.headdim, elem_bytes) * elem_bytes * 2 // (1 if pack else group)
     fit = tile_order.section_fit(kv_bytes, budget_kib << 10)
     if shift_rows:
         shift, costs = tile_order.row_shift(m_blocks, block_m, block_n, dims.seqlen_q, dims.seqlen_k, window)
