@@ -39,6 +39,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              with a quarter of the exponentials on the FMA pipe, and the row maxima in 4 FMNMX chains
   fwd-tail   FA3 forward bf16 d = 64, 128, 256, N = 2k, 4k, 8k, not causal: the stream-K tail (the last round's
              tiles split over the keys, tile_order.tail_split) against none
+  fwd-d128-stages  FA3 forward bf16 d = 128, N = 2k, 4k, 8k, causal and not: two K / V stages with the O
+             staging for a TMA store (the table) against three stages (O stored from registers)
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
@@ -50,7 +52,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -175,6 +177,12 @@ def list_variants() -> list:
                 window = _validate.window_bounds((-1, -1), causal, dims)
                 out.append(fa3.fwd_variant(64, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                            short_masked=fa3._short_masked(window, dims)))
+    with fa3_tiles_at(128, stages=3):  # fwd_d128_stages'
+        for n, causal in D128_STAGE_CASES:
+            dims = _validate.Dims(1, n, n, 1, 1, 128, "bfloat16")
+            window = _validate.window_bounds((-1, -1), causal, dims)
+            out.append(fa3.fwd_variant(128, "bfloat16", unmasked=fa3._unmasked(window, dims),
+                                       short_masked=fa3._short_masked(window, dims)))
     return list(dict.fromkeys(out))
 
 
@@ -432,10 +440,15 @@ def fwd_interleaved(d, n, causal, configs, rounds, reps):
                 4 * b * h * n * n * d / (2 if causal else 1), rounds, reps)
 
 
+def fa3_tiles_at(d, **changes):
+    """bf16 forward calls at head dim d that take FA3_TILES take its row with ``changes``."""
+    return tables_edited((heuristics.FA3_TILES,),
+                         lambda table: table.update({d: dataclasses.replace(table[d], **changes)}))
+
+
 def d64_tiles(**changes):
     """d = 64 calls of two consumer warpgroups take FA3_TILES[64] with ``changes``."""
-    return tables_edited((heuristics.FA3_TILES,),
-                         lambda table: table.update({64: dataclasses.replace(table[64], **changes)}))
+    return fa3_tiles_at(64, **changes)
 
 
 def d64_3wg(**changes):
@@ -488,6 +501,18 @@ def fwd_tail(rounds, reps):
             host_us = (time.perf_counter() - start) / 100 * 1e6
             cupy.cuda.Device().synchronize()
         print(f"fa3 bf16 d=128 N=2048 host per call, {name}: {host_us:.1f} us", flush=True)
+
+
+D128_STAGE_CASES = [(n, causal) for n in (2048, 4096, 8192) for causal in (False, True)]
+
+
+def fwd_d128_stages(rounds, reps):
+    """FA3 forward bf16 d = 128, N = 2k, 4k, 8k, causal and not: two K / V stages and O stored through shared
+    memory by TMA (the table) against three stages, which leave no room for the O staging (O stored from
+    registers): cuDNN's kernel there asks for all 232 448 bytes of shared memory, ours 198 736."""
+    configs = {"table": as_is, "3 stages": lambda: fa3_tiles_at(128, stages=3)}
+    for n, causal in D128_STAGE_CASES:
+        fwd_interleaved(128, n, causal, configs, rounds, reps)
 
 
 def rows_from_zero():
@@ -576,7 +601,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

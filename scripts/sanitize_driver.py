@@ -111,6 +111,10 @@ def _cases(name, direction):
             for d in (dims[0], 128, dims[-1]):
                 heads = fa3._sm_count() + 1
                 cases.append(dict(b=1, sq=128, sk=300, h=heads, hkv=heads, d=d, dtype="bfloat16", causal=False))
+            # 2-3 tiles per block of one K tile each (the ring's phases carry on across tiles) and, causal with
+            # Sq > Sk, empty ones between them; some blocks get only empty tiles
+            for causal in (False, True):
+                cases.append(dict(b=2, sq=1000, sk=100, h=20, hkv=4, d=128, dtype="bfloat16", causal=causal))
     cases.append(dict(b=1, sq=1, sk=133, h=4, hkv=2, d=mid, dtype="bfloat16", causal=True))
     if "window" in feats:
         cases.append(dict(b=1, sq=77, sk=133, h=2, hkv=1, d=mid, dtype="float16", causal=False, window=(16, 8)))

@@ -183,6 +183,21 @@ def test_forward_stream_k_tail_replays_in_a_graph(monkeypatch):
     pool.free_all_blocks()
 
 
+@pytest.mark.parametrize("d", (64, 96, 128))
+@pytest.mark.parametrize("sk", (1, 100, 128, 129, 300, 1000))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_forward_several_short_tiles_per_block(poison_allocations, d, sk, causal, dtype):
+    """Several tiles per persistent block (1000 query rows x 20 heads x 2: 320 tiles of 128 rows) of one K
+    tile (sk <= 128), two, three or eight, one after another: the K / V ring's slots and phases and the Q
+    buffer's carry on across tiles. Causal (bottom-right) with Sq > Sk leaves the first Sq - Sk rows without
+    keys: empty tiles (O = 0, LSE = -inf) between the others. d = 64 runs on two consumers here (rows bounded
+    under heuristics.FA3_3WG_MIN_MASKED_SEQLEN: causal, or a window of 500 keys each side)."""
+    window = (-1, 0) if causal else (500, 500) if d == 64 else (-1, -1)
+    q, k, v = _inputs(np.random.default_rng(), 2, 1000, sk, 20, 4, d, dtype)
+    _check(q, k, v, window=window)
+
+
 @pytest.mark.parametrize("d", HEADDIMS)
 def test_persistent_blocks_skip_empty_tiles(poison_allocations, d):
     """A window (0, 0) with Sq = 2000 > Sk = 300: query rows before 1700 see no key, so most tiles are
