@@ -41,6 +41,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              tiles split over the keys, tile_order.tail_split) against none
   fwd-d128-stages  FA3 forward bf16 d = 128, N = 2k, 4k, 8k, causal and not: two K / V stages with the O
              staging for a TMA store (the table) against three stages (O stored from registers)
+  fwd-d128-overlap  FA3 forward bf16 d = 128, N = 2k, 4k, 8k, causal and not: the table against no overlap
+             within a warpgroup with the pingpong (cuDNN's arrangement) and without either
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
@@ -52,7 +54,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -183,6 +185,9 @@ def list_variants() -> list:
             window = _validate.window_bounds((-1, -1), causal, dims)
             out.append(fa3.fwd_variant(128, "bfloat16", unmasked=fa3._unmasked(window, dims),
                                        short_masked=fa3._short_masked(window, dims)))
+    for changes in ({"intra_wg_overlap": False, "pingpong": True}, {"intra_wg_overlap": False, "pingpong": False}):
+        with fa3_tiles_at(128, **changes):  # fwd_d128_overlap's
+            out.append(fa3.fwd_variant(128, "bfloat16"))
     return list(dict.fromkeys(out))
 
 
@@ -515,6 +520,18 @@ def fwd_d128_stages(rounds, reps):
         fwd_interleaved(128, n, causal, configs, rounds, reps)
 
 
+def fwd_d128_overlap(rounds, reps):
+    """FA3 forward bf16 d = 128, N = 2k, 4k, 8k, causal and not: the table (S_{n+1} issued with P_n V_n within
+    a warpgroup, no pingpong) against cuDNN's arrangement there (its SASS under ncu, session 24: each
+    consumer runs S, waits, softmax, P V, waits, the softmaxes of the two taking turns by named barriers),
+    i.e. no overlap within a warpgroup with the pingpong, and without either."""
+    configs = {"table": as_is,
+               "pingpong, no overlap": lambda: fa3_tiles_at(128, intra_wg_overlap=False, pingpong=True),
+               "neither": lambda: fa3_tiles_at(128, intra_wg_overlap=False, pingpong=False)}
+    for n, causal in D128_STAGE_CASES:
+        fwd_interleaved(128, n, causal, configs, rounds, reps)
+
+
 def rows_from_zero():
     """fa3's launches tile the query rows from row 0 (no row_shift: the spare rows after the end)."""
     def unshifted(m_blocks, block_m, block_n, seqlen_q, seqlen_k, window):
@@ -601,7 +618,7 @@ def main():
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
