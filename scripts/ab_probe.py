@@ -564,7 +564,7 @@ def old_tile_order():
     """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
     fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
     sections, the serpentine only when one holds every pair."""
-    def old(m_blocks, pairs, grid, fit, m_costs):
+    def old(m_blocks, pairs, grid, fit, m_costs, all_pairs_ok=True):
         return (pairs, True) if m_costs is not None and 2 * pairs < grid else (fit, fit >= pairs)
 
     return replaced(tile_order, "choose", old)
@@ -580,7 +580,7 @@ def fwd_order(rounds, reps):
 def fixed_sections(section, serpentine):
     """fa3's launches take sections of ``section`` pairs (at most all of them) and the given deal, whatever
     the model and the budget say."""
-    return replaced(tile_order, "choose", lambda m_blocks, pairs, grid, fit, m_costs: (min(section, pairs), serpentine))
+    return replaced(tile_order, "choose", lambda m_blocks, pairs, grid, fit, m_costs, all_pairs_ok=True: (min(section, pairs), serpentine))
 
 
 def fwd_wide_sections(rounds, reps):
