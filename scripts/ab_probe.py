@@ -164,31 +164,30 @@ def list_variants() -> list:
     for defines in DET_COST_DEFINES.values():
         with bwd_defines(*defines):
             out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (128, 256)]
-    for d in BF16_HEADDIMS:  # the variants of bf16_pingpong's calls (N = 2k and 8k, causal and not)
+    for d in BF16_HEADDIMS:  # bf16_pingpong's (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
-            for n in (2048, 8192):
-                for causal in (False, True):
-                    dims = _validate.Dims(1, n, n, 1, 1, d, "bfloat16")
-                    window = _validate.window_bounds((-1, -1), causal, dims)
-                    out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                               short_masked=fa3._short_masked(window, dims)))
+            out += bf16_forward_variants(d, [(n, causal) for n in (2048, 8192) for causal in (False, True)])
     for config in D64.values():  # fwd_d64's
         with config():
-            for n, causal in D64_CASES:
-                dims = _validate.Dims(1, n, n, 1, 1, 64, "bfloat16")
-                window = _validate.window_bounds((-1, -1), causal, dims)
-                out.append(fa3.fwd_variant(64, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                           short_masked=fa3._short_masked(window, dims)))
+            out += bf16_forward_variants(64, D64_CASES)
     with fa3_tiles_at(128, stages=3):  # fwd_d128_stages'
-        for n, causal in D128_STAGE_CASES:
-            dims = _validate.Dims(1, n, n, 1, 1, 128, "bfloat16")
-            window = _validate.window_bounds((-1, -1), causal, dims)
-            out.append(fa3.fwd_variant(128, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                       short_masked=fa3._short_masked(window, dims)))
+        out += bf16_forward_variants(128, D128_CASES)
     for changes in ({"intra_wg_overlap": False, "pingpong": True}, {"intra_wg_overlap": False, "pingpong": False}):
         with fa3_tiles_at(128, **changes):  # fwd_d128_overlap's
-            out.append(fa3.fwd_variant(128, "bfloat16"))
+            out += bf16_forward_variants(128, D128_CASES)
     return list(dict.fromkeys(out))
+
+
+def bf16_forward_variants(d, cases):
+    """The variants fwd_interleaved's bf16 calls at head dim d take for ``cases`` of (N, causal), as the
+    tables stand now."""
+    out = []
+    for n, causal in cases:
+        dims = _validate.Dims(1, n, n, 1, 1, d, "bfloat16")
+        window = _validate.window_bounds((-1, -1), causal, dims)
+        out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
+                                   short_masked=fa3._short_masked(window, dims)))
+    return out
 
 
 def bench_shape(d, n, count):
@@ -508,7 +507,7 @@ def fwd_tail(rounds, reps):
         print(f"fa3 bf16 d=128 N=2048 host per call, {name}: {host_us:.1f} us", flush=True)
 
 
-D128_STAGE_CASES = [(n, causal) for n in (2048, 4096, 8192) for causal in (False, True)]
+D128_CASES = [(n, causal) for n in (2048, 4096, 8192) for causal in (False, True)]
 
 
 def fwd_d128_stages(rounds, reps):
@@ -516,7 +515,7 @@ def fwd_d128_stages(rounds, reps):
     memory by TMA (the table) against three stages, which leave no room for the O staging (O stored from
     registers): cuDNN's kernel there asks for all 232 448 bytes of shared memory, ours 198 736."""
     configs = {"table": as_is, "3 stages": lambda: fa3_tiles_at(128, stages=3)}
-    for n, causal in D128_STAGE_CASES:
+    for n, causal in D128_CASES:
         fwd_interleaved(128, n, causal, configs, rounds, reps)
 
 
@@ -528,7 +527,7 @@ def fwd_d128_overlap(rounds, reps):
     configs = {"table": as_is,
                "pingpong, no overlap": lambda: fa3_tiles_at(128, intra_wg_overlap=False, pingpong=True),
                "neither": lambda: fa3_tiles_at(128, intra_wg_overlap=False, pingpong=False)}
-    for n, causal in D128_STAGE_CASES:
+    for n, causal in D128_CASES:
         fwd_interleaved(128, n, causal, configs, rounds, reps)
 
 

@@ -31,7 +31,7 @@ def orders(pairs):
             if section <= pairs:
                 out[f"{section} pairs{' serpentine' if serpentine else ''}"] = (
                     lambda s=section, z=serpentine: ab_probe.fixed_sections(s, z))
-    return dict(out)
+    return out
 
 
 def main():
