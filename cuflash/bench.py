@@ -10,7 +10,7 @@ One run measures, on the same GPU and in the same process:
   ``torch-math``), ``flash_attn``, ``flashinfer`` and the materialised ``naive`` attention.
 
 ``--suite fp8`` measures the FP8 forward (``cuflash-fa3-fp8``: e4m3 inputs quantised once outside the timing by
-``cuflash.fp8.quantize``, block 128, Hadamard rotation on q and k) against the bf16 FA3 kernel and the bf16 SDPA
+``cuflash.fp8.quantize``, block 256, Hadamard rotation on q and k) against the bf16 FA3 kernel and the bf16 SDPA
 backends on the same shapes, cuDNN's FP8 attention where the ``cudnn`` frontend package is importable, and an
 e4m3 matmul ceiling (``torch._scaled_mm``) measured in the same run.
 
@@ -74,8 +74,9 @@ TABLE_RATIO_PEERS = ("torch-cudnn", "torch-flash", "flash_attn", "flashinfer", "
 #: The fp8 suite's peers (when present), in table order; ``cuflash-fa3`` is the bf16 kernel on the same shapes.
 FP8_PEERS = ("cuflash-fa3", "cudnn-fp8", "torch-cudnn", "torch-flash")
 
-#: Rows of the sequence per descale of q, k and v in the fp8 suite (``cuflash.fp8.quantize(block=...)``).
-FP8_BLOCK = 128
+#: Rows of the sequence per descale of q, k and v in the fp8 suite (``cuflash.fp8.quantize(block=...)``): 256,
+#: so that d = 128 takes the 256-key tiles (heuristics.FA3_FP8_TILES_WIDE: one K and one V descale per tile).
+FP8_BLOCK = 256
 
 #: What each ceiling is called in titles and the header.
 CEILING_NAMES = {"bf16_matmul_tflops": "matmul", "fp8_matmul_tflops": "fp8 matmul", "copy_tbps": "copy"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 
 import numpy as np
@@ -35,8 +36,18 @@ BWD_HEADDIMS = (64, 96, 128, 192, 256)
 FWD_HEADDIM_V = {128: (64,), 192: (128,), 256: (128,)}
 THREADS = 384  # producer + two consumer warpgroups (the backward; the forward's: fwd_threads)
 FP8_HEADDIMS = tuple(sorted(FA3_FP8_TILES))
-FP8_BLOCK_N = 128  # keys per K/V tile of the FP8 forward: K/V descale blocks are whole multiples of it
+# keys per K/V tile of the FP8 forward (one V^T swizzle atom): K/V descale blocks are whole multiples of it;
+# FA3_FP8_TILES_WIDE's tiles (a multiple of it) where they divide the block
+FP8_BLOCK_N = 128
 FP8_TRANSPOSE_THREADS = 256
+
+
+def fp8_whole_sequence_kv_block(seqlen_k: int) -> int:
+    """The K/V descale block of a per-tensor descale (one block covering the whole sequence): seqlen_k rounded
+    up to a multiple of every FP8 key tile, so that any of them divides it."""
+    tables = (heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG, heuristics.FA3_FP8_TILES_WIDE)
+    unit = math.lcm(FP8_BLOCK_N, *(t.block_n for table in tables for t in table.values()))
+    return max(1, -(-seqlen_k // unit)) * unit
 
 PARAMS = np.dtype(
     pointer_fields("o", "lse", "cu_seqlens_q", "cu_seqlens_k")
@@ -72,13 +83,18 @@ def _short_masked(window: tuple[int, int], dims: Dims) -> bool:
 
 
 def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: bool = False,
-              pack_gqa: bool = False, short_masked: bool = False, long_rows: bool = False) -> heuristics.Fa3Tiles:
-    """The forward's tiles: for FP8, FA3_FP8_TILES_LONG where it has the head dim and the rows are long
-    (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN), else FA3_FP8_TILES; FA3_TILES_3WG where it has the
-    head dim and neither softcap nor GQA packing asks for registers nor the rows are short and masked
+              pack_gqa: bool = False, short_masked: bool = False, long_rows: bool = False,
+              kv_block: int | None = None) -> heuristics.Fa3Tiles:
+    """The forward's tiles: for FP8 with long rows (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN),
+    FA3_FP8_TILES_WIDE where it has the head dim and its key tile divides the K/V descale block (``kv_block``;
+    None: any; the kernel reads one K and one V descale per tile), else FA3_FP8_TILES_LONG where it has the
+    head dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither softcap nor GQA packing asks for registers nor the rows are short and masked
     (``short_masked``: _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask
     bounds the rows (``unmasked``); FA3_TILES otherwise."""
     if fp8:
+        wide = heuristics.FA3_FP8_TILES_WIDE.get(headdim) if long_rows else None
+        if wide is not None and (kv_block is None or kv_block % wide.block_n == 0):
+            return wide
         if long_rows and headdim in heuristics.FA3_FP8_TILES_LONG:
             return heuristics.FA3_FP8_TILES_LONG[headdim]
         return FA3_FP8_TILES[headdim]
@@ -102,13 +118,13 @@ def atom_padded(d: int, elem_bytes: int) -> int:
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
-                short_masked: bool = False, long_rows: bool = False) -> Variant:
+                short_masked: bool = False, long_rows: bool = False, kv_block: int | None = None) -> Variant:
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, FA3_FP8_TILES_LONG) and ``dtype`` the
     output's (bf16). ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows;
-    ``long_rows``: FP8 with long rows (fwd_tiles).
+    ``long_rows``, ``kv_block``: FP8 with long rows and that K/V descale block (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
     Q and K's head dim's."""
-    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows)
+    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows, kv_block)
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
@@ -225,8 +241,9 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
            for varlen, pack in ((False, False), (True, False), (False, True))
            for unmasked, short_masked in _row_kinds(d)]
     fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
-    fp8 = [fwd_variant(d, "bfloat16", fp8=True, long_rows=long) for d in FP8_HEADDIMS
-           for long in (False, True) if not long or d in heuristics.FA3_FP8_TILES_LONG]
+    # (kv_block None: any block, the widest tiles; FP8_BLOCK_N: the blocks the widest tiles do not divide)
+    fp8 = list({fwd_variant(d, "bfloat16", fp8=True, long_rows=long, kv_block=kv): None for d in FP8_HEADDIMS
+                for long in (False, True) for kv in (None, FP8_BLOCK_N)})
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
@@ -391,7 +408,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     if kv_block % FP8_BLOCK_N:
         raise ValueError(f"the FP8 kernel takes K/V descale blocks of a multiple of {FP8_BLOCK_N} keys; got {kv_block}")
     long_rows = dims.seqlen_q >= heuristics.FA3_FP8_LONG_MIN_SEQLEN
-    t = fwd_tiles(dims.headdim, fp8=True, long_rows=long_rows)
+    t = fwd_tiles(dims.headdim, fp8=True, long_rows=long_rows, kv_block=kv_block)
     keys_padded = -(-dims.seqlen_k // 16) * 16
     vt = cupy.empty((dims.batch, dims.kv_heads, dims.headdim, keys_padded), dtype=cupy.uint8)
     tp = np.zeros(1, FP8_TRANSPOSE_PARAMS)
@@ -401,12 +418,13 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     tp["seqlen_k"], tp["keys_padded"], tp["kv_heads"] = dims.seqlen_k, keys_padded, dims.kv_heads
     launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
 
-    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, long_rows=long_rows)
+    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, long_rows=long_rows, kv_block=kv_block)
     block_m = fwd_block_m(t)
     map_q, map_k = _tensor_map(q, block_m), _tensor_map(k, t.block_n)
-    # V^T (keys, d, kv_heads, batch), innermost first: boxes of block_n keys x d rows
+    # V^T (keys, d, kv_heads, batch), innermost first: boxes of 128 keys (one swizzle atom) x d rows, block_n /
+    # 128 of them per tile
     map_vt = _tma.encode_tiled(vt.data.ptr, "uint8", (keys_padded, dims.headdim, dims.kv_heads, dims.batch),
-                               vt.strides[2::-1], (t.block_n, dims.headdim, 1, 1), swizzle=128)
+                               vt.strides[2::-1], (FP8_BLOCK_N, dims.headdim, 1, 1), swizzle=128)
     map_o = _tensor_map(out, 64)
     p = np.zeros(1, PARAMS)
     p["o"], p["lse"] = out.data.ptr, lse.data.ptr
@@ -416,7 +434,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, 0.0)
     p["q_descale"], p["k_descale"], p["v_descale"] = q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr
     p["q_descale_blocks"], p["q_descale_rows"] = q_descale.shape[2], q_block
-    p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // FP8_BLOCK_N
+    p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // t.block_n
     grid = fill_schedule(p, dims, window, block_m, t.block_n, 1, heuristics.FA3_FP8_L2_SECTION_KIB)
     launch(variant, (grid,), (map_q, map_k, map_vt, map_o, p), stream)
 

@@ -305,8 +305,23 @@ FA3_FP8_TILES_LONG = {
     128: Fa3Tiles(block_n=128, stages=2, pingpong=False),
 }
 FA3_FP8_LONG_MIN_SEQLEN = 2048
+# FP8 calls with long rows whose K/V descale blocks are whole multiples of these tiles' keys take them (the
+# kernel reads one K and one V descale per tile): d = 128 on 256-key tiles without the intra-warpgroup
+# overlap (S 128 + O 64 + P 32 registers; P V through S's), with the pingpong. Each consumer's softmax then
+# runs alone on its sub-partitions while the other's GEMMs run, and its fixed costs per tile (the row
+# maxima's chains and quad shuffles, the GEMM waits, O's FFMA) spread over twice the keys; FlashAttention-3
+# uses 224. Measured on the H200 (scripts/ab_probe.py fp8-d128-keys / fp8-d128-blocks, interleaved rounds,
+# TF/s, FA3_FP8_TILES_LONG's 128-key tiles -> these): N = 8k 797 -> 897, causal 771 -> 810, 16k 808 -> 881,
+# causal 760 -> 823; another run 8k 793 -> 863 (K / V blocks of 256), 865 per tensor. A tile that spans two
+# descale blocks (blocks of 128 keys) would need a K descale per half (cheap) and V's ratio in the second
+# half's exponent: that version measured 848 at 8k but made ptxas serialise the wgmma (too few registers,
+# NVRTC 13.5), so blocks of 128 keep the 128-key tiles.
+FA3_FP8_TILES_WIDE = {
+    128: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=True),
+}
 
-FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES, FA3_FP8_TILES_LONG)
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES, FA3_FP8_TILES_LONG,
+                      FA3_FP8_TILES_WIDE)
 
 
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a

@@ -11,6 +11,11 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              which reached 1016-1059 TF/s there), with and without the pingpong; the row maxima in 4 FMNMX
              chains (CUFLASH_MAX_CHAINS 4). Session 11 measured three stages, the pingpong switched and
              exp2_emu 8 / 4 too: none beat the table.
+  fp8-d128-keys  FP8 forward d = 128 N = 8k and 16k, causal and not, K / V descales per 256 keys: the
+             128-key tiles of FA3_FP8_TILES_LONG (intra-warpgroup overlap, no pingpong) against the 256-key
+             tiles of FA3_FP8_TILES_WIDE (no overlap, pingpong)
+  fp8-d128-blocks  FP8 forward d = 128 N = 8k: the 256-key tiles on K / V descales per 256 keys and per
+             tensor, the 128-key tiles on blocks of 128 and 256
   fp8-scaling  FP8 forward d = 128 N = 8k on descales per 128-row block and per tensor (what the per-block
              V descale's O rescale at every tile costs)
   fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched (session
@@ -53,7 +58,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -82,8 +87,9 @@ def tables_edited(tables, edit):
 
 
 def fp8_tiles(d, tiles):
-    """FP8 calls at head dim d take ``tiles`` whatever their length (both tables fa3.fwd_tiles reads)."""
-    return tables_edited((heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG),
+    """FP8 calls at head dim d take ``tiles`` whatever their length and descale blocks (every table
+    fa3.fwd_tiles reads)."""
+    return tables_edited((heuristics.FA3_FP8_TILES, heuristics.FA3_FP8_TILES_LONG, heuristics.FA3_FP8_TILES_WIDE),
                          lambda table: table.update({d: tiles}))
 
 
@@ -152,8 +158,11 @@ def list_variants() -> list:
     out = []
     for d in (64, 128):
         for config in fp8_configs(d).values():
-            with config():  # (the experiments' calls have 8k rows: the long-row tiles)
-                out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True))
+            with config():  # (the experiments' calls have 8k rows and 128-key descale blocks: the long-row tiles)
+                out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=fa3.FP8_BLOCK_N))
+    for config in fp8_keys_configs().values():
+        with config():
+            out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, long_rows=True, kv_block=256))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
     with bwd_defines(*DKV_FROM_REGISTERS):
@@ -225,6 +234,45 @@ def fp8_forward(d, rounds, reps):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         interleaved(f"fp8 d={d} N=8k causal={causal}", fp8_configs(d),
                     lambda: fp8_probe.run(b, n, n, h, h, d, causal)[0], flops, rounds, reps)
+
+
+def fp8_keys_configs():
+    # (2 max chains and exp2_emu 8 / 4 on the 256-key tiles made ptxas serialise their wgmma: not measured)
+    long, wide = heuristics.FA3_FP8_TILES_LONG[128], heuristics.FA3_FP8_TILES_WIDE[128]
+    return {"128 keys": lambda: fp8_tiles(128, long), "256 keys": lambda: fp8_tiles(128, wide)}
+
+
+def fp8_keys(rounds, reps):
+    import fp8_probe
+
+    d = 128
+    for n in (8192, 16384):
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            interleaved(f"fp8 d={d} N={n} causal={causal} kv block 256", fp8_keys_configs(),
+                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=256)[0], flops, rounds, reps)
+
+
+def fp8_keys_blocks(rounds, reps):
+    """FA3_FP8_TILES_WIDE's 256-key tiles on K / V descale blocks of 256 and per tensor, FA3_FP8_TILES_LONG's
+    on 128 and 256."""
+    import fp8_probe
+
+    d, n = 128, 8192
+    b, h = 16384 // n, 2048 // d
+    long, wide = heuristics.FA3_FP8_TILES_LONG[d], heuristics.FA3_FP8_TILES_WIDE[d]
+    calls = {}
+
+    @contextmanager
+    def use(tiles, kvblock):
+        with fp8_tiles(d, tiles):
+            calls["call"] = fp8_probe.run(b, n, n, h, h, d, False, kvblock=kvblock)[0]
+            yield
+
+    configs = {"256 keys, kv 256": lambda: use(wide, 256), "256 keys, per tensor": lambda: use(wide, None),
+               "128 keys, kv 128": lambda: use(long, 128), "128 keys, kv 256": lambda: use(long, 256)}
+    interleaved(f"fp8 d={d} N={n} descale blocks", configs, lambda: calls["call"], 4 * b * h * n * n * d, rounds, reps)
 
 
 def fp8_scaling(rounds, reps):
@@ -615,7 +663,7 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "fp8-scaling": fp8_scaling, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:

@@ -23,7 +23,7 @@ def run(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
     k8, ks = fp8.quantize(k, block=kvblock, hadamard=True, seed=1)
     v8, vs = fp8.quantize(v, block=kvblock, hadamard=False)
     qblock = min(qblock, sq) if qs.shape[2] > 1 else sq
-    kvb = kvblock if ks.shape[2] > 1 else -(-sk // 128) * 128
+    kvb = kvblock if ks.shape[2] > 1 else fa3.fp8_whole_sequence_kv_block(sk)
     out = cupy.empty((b, sq, h, d), dtype="bfloat16")
     out.view(cupy.uint16).fill(0x7FC0)  # NaN: every element must be written
     lse = cupy.full((b, h, sq), cupy.nan, dtype=cupy.float32)

@@ -100,8 +100,8 @@ def test_fa3_uses_hopper_hardware(report):
         assert not fa3_rows
         return
     fp8_rows = [r for r in fa3_rows if "fp8=1" in r["name"]]
-    # FP8 forward: head dims 64, 128, 256, and the long-row tiles (heuristics.FA3_FP8_TILES_LONG)
-    assert fa3_rows and len(fp8_rows) == 3 + len(heuristics.FA3_FP8_TILES_LONG)
+    # FP8 forward: head dims 64, 128, 256, and the long-row tiles (heuristics.FA3_FP8_TILES_LONG and _WIDE)
+    assert fa3_rows and len(fp8_rows) == 3 + len(heuristics.FA3_FP8_TILES_LONG) + len(heuristics.FA3_FP8_TILES_WIDE)
     for r in fa3_rows:
         ops = r["opcodes"]
         gemms = ops["QGMMA"] if r in fp8_rows else ops["HGMMA"]

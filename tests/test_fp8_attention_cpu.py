@@ -555,15 +555,28 @@ def test_float_calls_do_not_take_the_fp8_path(spec_env, monkeypatch):
 
 
 def test_long_rows_take_the_long_row_tiles():
-    """FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take FA3_FP8_TILES_LONG where it has the
-    head dim (d = 128: no pingpong), the rest FA3_FP8_TILES; each choice is its own compiled variant."""
+    """FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take FA3_FP8_TILES_WIDE where it has the head
+    dim and its key tile divides the K/V descale block (d = 128: 256 keys), else FA3_FP8_TILES_LONG where it
+    has the head dim (d = 128: no pingpong), the rest FA3_FP8_TILES; each choice is its own compiled variant."""
     from cuflash import heuristics
 
+    compiled = {v.name for v in fa3.all_variants()}  # (what the CPU tier's compile check compiles)
     for d in fa3.FP8_HEADDIMS:
-        short, long = fa3.fwd_tiles(d, fp8=True), fa3.fwd_tiles(d, fp8=True, long_rows=True)
+        short = fa3.fwd_tiles(d, fp8=True)
         assert short == heuristics.FA3_FP8_TILES[d]
-        assert long == heuristics.FA3_FP8_TILES_LONG.get(d, short)
-        names = {fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=r).name for r in (False, True)}
-        assert len(names) == (2 if long != short else 1)
-        assert names <= {v.name for v in fa3.all_variants()}  # compiled by the CPU tier's compile check
+        long = heuristics.FA3_FP8_TILES_LONG.get(d, short)
+        wide = heuristics.FA3_FP8_TILES_WIDE.get(d, long)
+        for kv_block in (None, 128, 256, 384, 512, 1024):
+            got = fa3.fwd_tiles(d, fp8=True, long_rows=True, kv_block=kv_block)
+            assert got == (wide if kv_block is None or kv_block % wide.block_n == 0 else long), (d, kv_block)
+            assert fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=kv_block).name in compiled
+        assert fa3.fwd_variant(d, "bfloat16", fp8=True).name in compiled
     assert not heuristics.FA3_FP8_TILES_LONG[128].pingpong and heuristics.FA3_FP8_TILES[128].pingpong
+    assert heuristics.FA3_FP8_TILES_WIDE[128].block_n == 256 and not heuristics.FA3_FP8_TILES_WIDE[128].intra_wg_overlap
+
+
+def test_a_per_tensor_kv_descale_block_suits_every_fp8_tile():
+    for sk in (1, 127, 128, 129, 255, 256, 300, 8192):
+        block = fa3.fp8_whole_sequence_kv_block(sk)
+        assert block >= sk and block % fa3.FP8_BLOCK_N == 0
+        assert block % fa3.fwd_tiles(128, fp8=True, long_rows=True).block_n == 0

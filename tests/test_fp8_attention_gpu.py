@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, fa3, fp8
+from cuflash import api, fa3, fp8, heuristics
 from cuflash import reference as ref
 from gpu_checks import inputs, with_exp2_emu
 
@@ -171,6 +171,43 @@ def test_descale_blocks(causal, blocks):
     check(data, descales, descale_block(*blocks), causal)
 
 
+SEQLENS_256 = [(1, 1), (113, 239), (239, 513), (1023, 1023), (1, 1023), (1023, 1), (300, 2000)]
+BLOCKS_256 = [(128, 256, 256), (64, 512, 512), (None, None, None), (128, None, 256)]
+
+
+@pytest.mark.parametrize("blocks", BLOCKS_256, ids=["q{}-k{}-v{}".format(*b) for b in BLOCKS_256])
+@pytest.mark.parametrize("seqlens", SEQLENS_256, ids=[f"sq{a}-sk{b}" for a, b in SEQLENS_256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_256_key_tiles(monkeypatch, causal, seqlens, blocks):
+    """d = 128 on FA3_FP8_TILES_WIDE's 256-key tiles (two V^T atoms per tile, P V through S's registers, no
+    intra-warpgroup overlap) at every length, on K / V descale blocks of 256 and 512 keys and per tensor."""
+    monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
+    assert fa3.fwd_tiles(128, fp8=True, long_rows=True).block_n == 256
+    sq, sk = seqlens
+    q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 8, 2, 128, "bfloat16")
+    data, descales = quantised(q, k, v, *blocks)
+    check(data, descales, descale_block(*blocks), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_256_key_tiles_on_blocks_of_very_different_scales(monkeypatch, causal):
+    """256-key tiles whose V descales are 100x apart from tile to tile (O moves between their units) and whose
+    K descales are 9x apart (the row maxima kept in logit units)."""
+    import cupy
+
+    monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
+    q, k, v = inputs(np.random.default_rng(), 2, 700, 1500, 4, 2, 128, "bfloat16")
+    block = np.arange(1500) // 256  # the key's descale block
+
+    def scaled(x, factors):
+        return (x.astype(cupy.float32) * cupy.asarray(factors, dtype=cupy.float32)[None, :, None, None]).astype(x.dtype)
+
+    v = scaled(v, 10.0 ** (block % 3 - 1))  # 0.1, 1, 10, 0.1, ...
+    k = scaled(k, 3.0 ** ((block + 1) % 3 - 1))  # 1, 3, 1/3, 1, ...
+    data, descales = quantised(q, k, v, 128, 256, 256)
+    check(data, descales, (128, 256), causal)
+
+
 def test_strided_inputs_and_descales():
     """Every other head of quantised q, k, v (strided views) with the matching, non-contiguous descales."""
     q, k, v = inputs(np.random.default_rng(), 2, 239, 400, 8, 4, 128, "bfloat16")
@@ -259,7 +296,7 @@ def outlier_input(rng, shape):
 @pytest.mark.parametrize("d", [128, 256])
 def test_accuracy_with_outliers(d):
     """RMSE of the output against fp64 attention of the unquantised inputs (the bf16 tensors the quantiser
-    reads): block scaling (128) with the Hadamard rotation of q and k within FA3's 9.1e-3; per-tensor
+    reads): block scaling (128 and 256) with the Hadamard rotation of q and k within FA3's 9.1e-3; per-tensor
     scaling without rotation reported, and only loosely bounded."""
     import cupy
 
@@ -280,10 +317,11 @@ def test_accuracy_with_outliers(d):
         return rmse(out)
 
     block_hadamard = fp8_rmse(128, True)
+    block_256_hadamard = fp8_rmse(256, True)  # (d = 128: the 256-key tiles, heuristics.FA3_FP8_TILES_WIDE)
     per_tensor = fp8_rmse(None, False)
     bf16 = rmse(cuflash.flash_attn_func(q, k, v))
     print(f"\nFP8 attention RMSE vs fp64, d={d}, batch {b}, seqlen {s}, heads {h}, N(0,1) + 0.1% N(0,10^2) outliers: "
-          f"block 128 + Hadamard {block_hadamard:.2e}; per tensor, no rotation {per_tensor:.2e}; "
-          f"bf16 flash_attn_func {bf16:.2e}")
-    assert block_hadamard <= FA3_BLOCK_HADAMARD_RMSE
+          f"block 128 + Hadamard {block_hadamard:.2e}; block 256 + Hadamard {block_256_hadamard:.2e}; per tensor, "
+          f"no rotation {per_tensor:.2e}; bf16 flash_attn_func {bf16:.2e}")
+    assert block_hadamard <= FA3_BLOCK_HADAMARD_RMSE and block_256_hadamard <= FA3_BLOCK_HADAMARD_RMSE
     assert per_tensor <= PER_TENSOR_LOOSE_BOUND

@@ -28,7 +28,11 @@
 // this on Hopper), so O carried through thousands of P V GEMMs decays: a key holding most of a row's weight
 // early in 4M keys lost three quarters of it. Each tile's P V therefore goes into a fresh accumulator that
 // is added to O in fp32 (O = O alpha + P V, one FFMA an element, which is the rescale O needed anyway; at
-// d = 256, without the overlap, O is rescaled and the parts of P V added).
+// d = 256, without the overlap, O is rescaled and the parts of P V added). Long rows at d = 128 take
+// 256-key tiles without the overlap (S 128 + O 64 + P 32 registers; P V through S's): a consumer's softmax
+// runs alone on its sub-partitions under the pingpong, and its fixed costs (the row maxima's chains and
+// shuffles, the GEMM waits, O's FFMA) spread over twice the keys. A tile has one K and one V descale: K / V
+// descale blocks are whole tiles (cuflash/fa3.py picks 128-key tiles for blocks that 256 does not divide).
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_HEADDIM_V (of V
 // and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N, CUFLASH_CONSUMERS (2, 3),
@@ -98,7 +102,9 @@ static_assert(!(FP8 && (SOFTCAP || VARLEN || PACK_GQA)), "FP8: fixed-length batc
 // mask take (cuflash/fa3.py fill_tail sets tail_units for those calls only).
 constexpr bool TAIL_SPLIT = CUFLASH_TAIL_SPLIT;
 static_assert(!(TAIL_SPLIT && (FP8 || VARLEN || PACK_GQA)), "the tail: fixed-length bf16 / fp16 batches, unpacked");
-static_assert(!FP8 || BN == 128, "FP8: a V^T tile row is exactly one 128-byte atom of keys");
+// FP8: a V^T tile is VT_ATOMS atoms of [D rows][128 keys] (a 128-byte swizzle atom holds 128 keys of a row)
+static_assert(!FP8 || BN % 128 == 0, "FP8: V^T tile rows are whole 128-byte atoms of keys");
+constexpr int VT_ATOMS = FP8 ? BN / 128 : 1;
 static_assert(!FP8 || DV == D, "FP8: V has the head dim of Q and K");
 constexpr int ATOMS = DP / ATOM_COLS;  // atoms per row of a Q or K tile
 constexpr int V_ATOMS = DVP / ATOM_COLS;  // of a V tile (bf16 / fp16)
@@ -120,9 +126,10 @@ constexpr int QK_STEPS = D * ELEM_BYTES / 32;    // 32-byte k-steps of S = Q K^T
 constexpr bool INTRA_WG_OVERLAP = CUFLASH_INTRA_WG_OVERLAP;
 constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 32 keys each)
 // FP8: the fresh per-tile P V accumulator (see the top comment) has all of O's columns with the overlap
-// (S, P, O and P V fit: 64 + 16 + 64 + 64 registers at d = 128); without it (d = 256) it is S's registers,
-// idle then, taking BN of O's columns at a time.
-static_assert(!FP8 || INTRA_WG_OVERLAP || OD % BN == 0, "FP8 without the overlap: P V in parts of BN columns");
+// (S, P, O and P V fit: 64 + 16 + 64 + 64 registers at d = 128); without it it is S's registers, idle then,
+// taking PV_N of O's columns at a time (d = 256: BN = 128 of its 256; d = 128 with 256-key tiles: all 128).
+constexpr int PV_N = BN < OD ? BN : OD;
+static_assert(!FP8 || INTRA_WG_OVERLAP || OD % PV_N == 0, "FP8 without the overlap: P V in parts of PV_N columns");
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
 
@@ -165,14 +172,15 @@ __device__ __forceinline__ void issue_qk(float (&sc)[BN / 2], const unsigned cha
 // P V for one V tile (asynchronous; one commit group): P from registers. bf16: O += P V, 16 keys per step,
 // V [BN][D] read MN-major, its 64-column atoms BN x 128 bytes apart, 16 keys = 2048 bytes per step. FP8:
 // acc = P V[:, columns of acc] (overwritten: the first step does not accumulate), 32 keys per step, V^T
-// [D][BN] read K-major from the row of acc's first column, 32 keys = 32 bytes further along its one atom.
+// [D][BN] read K-major from the row of acc's first column, 32 keys = 32 bytes further along an atom of 128
+// keys (the tile's VT_ATOMS atoms D x 128 bytes apart).
 template <int N>
 __device__ __forceinline__ void issue_pv(float (&acc)[N / 2], const u32 (&pv_a)[PV_STEPS][4], const unsigned char* v) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) {
 #if CUFLASH_FP8  // (the preprocessor: the other branch's operand shapes do not exist in this variant)
-        wgmma_rs_fp8<N>(acc, pv_a[kk], wgmma_desc_advance(wgmma_desc(v), 32 * kk), kk > 0);
+        wgmma_rs_fp8<N>(acc, pv_a[kk], wgmma_desc_advance(wgmma_desc(v + kk / 4 * D * 128), 32 * (kk % 4)), kk > 0);
 #else
         wgmma_rs<N, 1>(acc, pv_a[kk], wgmma_desc_mn(v + kk * 16 * 128, BN * 128), 1);
 #endif
@@ -189,18 +197,18 @@ __device__ __forceinline__ void add_to_o(float (&o)[OD / 2], const float (&acc)[
     for (int i = 0; i < N / 2; ++i) o[first + i] = fmaf(o[first + i], alpha[i % 4 / 2], acc[i]);
 }
 
-// FP8: O += P V now (waits for it), N columns at a time through acc (O is rescaled before, so no alpha is
-// held across the waits: d = 256 has no register to spare).
-template <int N>
-__device__ __forceinline__ void pv_into_o(float (&o)[OD / 2], float (&acc)[N / 2], const u32 (&pv_a)[PV_STEPS][4],
-                                          const unsigned char* v) {
-    constexpr float one[2] = {1.f, 1.f};
+// FP8: O = O alpha + P V now (waits for it), PV_N columns at a time through the first PV_N / 2 registers of
+// S's (P is packed: S is idle). d = 256 rescales O before and passes ones (no alpha is held across the
+// waits: it has no register to spare).
+__device__ __forceinline__ void pv_into_o(float (&o)[OD / 2], float (&sc)[BN / 2], const u32 (&pv_a)[PV_STEPS][4],
+                                          const unsigned char* v, const float (&alpha)[2]) {
+    float(&acc)[PV_N / 2] = *reinterpret_cast<float(*)[PV_N / 2]>(&sc[0]);
 #pragma unroll
-    for (int part = 0; part < OD / N; ++part) {
-        issue_pv<N>(acc, pv_a, v + part * N * 128);  // V^T rows of 128 bytes
+    for (int part = 0; part < OD / PV_N; ++part) {
+        issue_pv<PV_N>(acc, pv_a, v + part * PV_N * 128);  // V^T rows of 128 bytes
         wgmma_wait<0>();
         wgmma_fence_regs(acc);
-        add_to_o<N>(o, acc, one, part * N / 2);
+        add_to_o<PV_N>(o, acc, alpha, part * PV_N / 2);
     }
 }
 
@@ -307,6 +315,19 @@ struct OnlineSoftmax {
         }
     }
 };
+
+// FP8 without the overlap: O = O alpha + P_{n-1} V_{n-1}; alpha joins the GEMM's FFMA where O is one part
+// (d = 128), else O is rescaled first.
+__device__ __forceinline__ void rescale_and_add_pv(float (&o)[OD / 2], float (&sc)[BN / 2], const u32 (&pv_a)[PV_STEPS][4],
+                                                   const unsigned char* v, const OnlineSoftmax& softmax, bool rescale) {
+    constexpr float one[2] = {1.f, 1.f};
+    if constexpr (OD == PV_N) {
+        pv_into_o(o, sc, pv_a, v, softmax.alpha);  // (alpha is 1 in every row where no rescale is due)
+    } else {
+        if (rescale) softmax.rescale(o);
+        pv_into_o(o, sc, pv_a, v, one);
+    }
+}
 
 // O o_scale / l straight from the accumulator (o_scale: FP8's last V descale, else 1) and LSE = (m scale
 // log2 e + log2 l) ln 2; rows past the end of the sequence skipped (in a packed batch they belong to the next one).
@@ -552,10 +573,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                                  tma_batch);
                 mbar_wait(&sm.v_empty[s], free_parity);
                 mbar_arrive_expect_tx(&sm.v_full[s], V_BYTES);
-                if constexpr (FP8)  // V^T map (keys, d, kv_heads, batch): one box of BN keys x D rows
-                    tma_load_4d(sm.v[s], &map_v, &sm.v_full[s], n * BN, 0, kv_head, tile.batch);
-                else
+                if constexpr (FP8) {  // V^T map (keys, d, kv_heads, batch): boxes of 128 keys x D rows
+#pragma unroll
+                    for (int a = 0; a < VT_ATOMS; ++a)
+                        tma_load_4d(sm.v[s] + a * D * 128, &map_v, &sm.v_full[s], n * BN + a * 128, 0, kv_head, tile.batch);
+                } else {
                     tma_load_atoms<V_ATOMS>(sm.v[s], BN, &map_v, &sm.v_full[s], seq.k_start + n * BN, kv_head, tma_batch);
+                }
             }
         }
         return;
@@ -654,10 +678,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     issue_pv<OD>(o, pv_a, sm.v[s_prev]);
                 }
             } else {  // P_{n-1} V_{n-1} finishes before S_n takes its registers
-                if (rescale) softmax.rescale(o);
                 if constexpr (FP8) {
-                    pv_into_o<BN>(o, sc, pv_a, sm.v[s_prev]);  // sc: S_{n-1} is P now
+                    rescale_and_add_pv(o, sc, pv_a, sm.v[s_prev], softmax, rescale);  // sc: S_{n-1} is P now
                 } else {
+                    if (rescale) softmax.rescale(o);
                     issue_pv<OD>(o, pv_a, sm.v[s_prev]);
                     wgmma_wait<0>();
                     wgmma_fence_regs(o);
@@ -722,8 +746,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 wgmma_fence_regs(pv);
                 add_to_o<OD>(o, pv, softmax.alpha, 0);
             } else {
-                if (rescale) softmax.rescale(o);
-                pv_into_o<BN>(o, sc, pv_a, sm.v[s]);
+                rescale_and_add_pv(o, sc, pv_a, sm.v[s], softmax, rescale);
                 pass_the_turn(c);
             }
             if (lane == 0) mbar_arrive(&sm.v_empty[s]);
