@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 
 from cuflash import _validate, fa3, fp8, heuristics, reference
-from cuflash.bench import time_fn
+from cuflash.bench import FP8_BLOCK, time_fn  # (the fp8 suite's descale block)
 
 
 def run(b, sq, sk, h, hk, d, causal, qblock=128, kvblock=128):
@@ -66,12 +66,13 @@ def perf(d, n, causal, reps, peer=True, kvblock=128):
 
 
 def profile_once(spec: str) -> None:
-    """d:N:causal at the benchmark shape: compile and warm up with two calls, then exactly one call between
+    """d:N:causal at the benchmark shape and the fp8 suite's descale blocks: compile and warm up with two calls,
+    then exactly one call between
     cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off)."""
     from cupy_backends.cuda.api import runtime
 
     d, n, causal = (int(x) for x in spec.split(":"))
-    call, *_ = run(16384 // n, n, n, 2048 // d, 2048 // d, d, bool(causal))
+    call, *_ = run(16384 // n, n, n, 2048 // d, 2048 // d, d, bool(causal), qblock=FP8_BLOCK, kvblock=FP8_BLOCK)
     for _ in range(2):
         call()
     cupy.cuda.Device().synchronize()
@@ -114,7 +115,7 @@ def main():
         for d in args.headdims:
             for n in args.seqlens:
                 for causal in (False, True):
-                    perf(d, n, causal, args.reps, peer=not args.no_peer, kvblock=None if args.per_tensor else 128)
+                    perf(d, n, causal, args.reps, peer=not args.no_peer, kvblock=None if args.per_tensor else FP8_BLOCK)
 
 
 if __name__ == "__main__":

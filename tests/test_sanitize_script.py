@@ -495,8 +495,9 @@ def test_fa3_fp8_cases_cover_the_family():
     assert any(c["sk"] % c["blocks"][1] for c in FA3_FP8 if c["blocks"][1])  # a short last K/V block
     from cuflash import heuristics  # the long-row tiles too, at every head dim that has them
 
-    long_rows = {c["d"] for c in FA3_FP8 if c["sq"] >= heuristics.FA3_FP8_LONG_MIN_SEQLEN}
-    assert long_rows >= set(heuristics.FA3_FP8_TILES_LONG)
+    long = [c for c in FA3_FP8 if c["sq"] >= heuristics.FA3_FP8_LONG_MIN_SEQLEN]
+    tiles = {fa3.fwd_tiles(c["d"], fp8=True, long_rows=True, kv_block=c["blocks"][1]) for c in long}
+    assert tiles >= {*heuristics.FA3_FP8_TILES_LONG.values(), *heuristics.FA3_FP8_TILES_WIDE.values()}
 
 
 @pytest.mark.parametrize("c", FA3_FP8, ids=DRIVER._describe_fa3_fp8)
