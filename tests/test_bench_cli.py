@@ -908,7 +908,7 @@ def test_header_shows_the_fp8_ceiling_only_when_measured():
                                           "fp8_matmul_error": "RuntimeError: torch has no _scaled_mm"},
                       skipped_peers={"cudnn-fp8": "not importable"}), "fp8")
     for needle in ("e4m3 matmul 8192³ — TFLOP/s (RuntimeError: torch has no _scaled_mm", "cudnn-fp8: not importable",
-                   "cuflash-fa3-fp8 on e4m3 inputs", "block 128", "Hadamard"):
+                   "cuflash-fa3-fp8 on e4m3 inputs", f"block {bench.FP8_BLOCK}", "Hadamard"):
         assert needle in fp8, needle
     prefill = header(dict(FAKE_ENV, ceilings=ENV["ceilings"]), "prefill")
     assert "e4m3" not in prefill and "skipped" not in prefill
