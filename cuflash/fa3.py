@@ -88,9 +88,10 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
     """The forward's tiles: for FP8 with long rows (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN),
     FA3_FP8_TILES_WIDE where it has the head dim and its key tile divides the K/V descale block (``kv_block``;
     None: any; the kernel reads one K and one V descale per tile), else FA3_FP8_TILES_LONG where it has the
-    head dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither softcap nor GQA packing asks for registers nor the rows are short and masked
-    (``short_masked``: _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask
-    bounds the rows (``unmasked``); FA3_TILES otherwise."""
+    head dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither
+    softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
+    _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
+    (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         wide = heuristics.FA3_FP8_TILES_WIDE.get(headdim) if long_rows else None
         if wide is not None and (kv_block is None or kv_block % wide.block_n == 0):
@@ -119,7 +120,7 @@ def atom_padded(d: int, elem_bytes: int) -> int:
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
                 short_masked: bool = False, long_rows: bool = False, kv_block: int | None = None) -> Variant:
-    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, FA3_FP8_TILES_LONG) and ``dtype`` the
+    """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, _LONG, _WIDE) and ``dtype`` the
     output's (bf16). ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows;
     ``long_rows``, ``kv_block``: FP8 with long rows and that K/V descale block (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
