@@ -9,7 +9,7 @@ Public API (flash-attn compatible names)::
     plan = cuflash.plan_kvcache(q, k_cache, v_cache, cache_seqlens=lens, out=out)  # ... then each step:
     plan.run(q, k_cache, v_cache, cache_seqlens=lens, out=out)  # the same call, a fraction of the host time
     out = cuflash.cascade_attention(q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens=lens)  # shared prefix
-    data, descale = cuflash.fp8.quantize(q, block=128, hadamard=True, seed=0)  # FP8 e4m3 inputs
+    data, descale = cuflash.fp8.quantize(q, block=256, hadamard=True, seed=0)  # FP8 e4m3 inputs
     out = cuflash.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3")  # Hopper
 
 Arrays are (batch, seqlen, heads, headdim), fp16 or bf16, CuPy arrays or anything with ``__dlpack__``

@@ -205,7 +205,13 @@ def _check_block(block) -> int | None:
     return int(block)
 
 
-def quantize(x, *, block=128, hadamard=True, seed=0, fp8_format="e4m3"):
+#: The rows per scale ``quantize`` takes by default: 256, a whole key tile of every FP8 forward variant (d = 128
+#: with rows of 2k and more runs on 256-key tiles, which need one K and one V descale per tile:
+#: cuflash.heuristics.FA3_FP8_TILES_WIDE; blocks of 128 take 128-key tiles, ~10 % slower there).
+DEFAULT_BLOCK = 256
+
+
+def quantize(x, *, block=DEFAULT_BLOCK, hadamard=True, seed=0, fp8_format="e4m3"):
     """Quantise ``x`` to FP8 e4m3 with one scale per block of rows, optionally rotating each row first.
 
     ``x``: (batch, seqlen, heads, d) float16 or bfloat16, d in {64, 128, 256}; a CuPy array or any DLPack

@@ -11,11 +11,11 @@ import dataclasses
 import numbers
 import sys
 
-from . import _device, _validate, fa3
+from . import _device, _validate, fa3, fp8
 from ._interop import Call
 from .fp8 import FORMATS
 
-DEFAULT_DESCALE_BLOCK = (128, 128)
+DEFAULT_DESCALE_BLOCK = (fp8.DEFAULT_BLOCK, fp8.DEFAULT_BLOCK)  # (quantize's block)
 IMPLS = ("auto", "fa3")  # the FP8 forward is FA3's kernel
 _TORCH_E4M3 = "torch.float8_e4m3fn"
 _BYTE_DTYPES = ("uint8", "torch.uint8")  # how uint8 spells itself in CuPy/NumPy/JAX and in torch
@@ -149,11 +149,11 @@ def _check_descale(s, b: int, heads: int, heads_name: str, seqlen: int, seq_name
 def launch_blocks(dims, nq: int, nk: int, q_block: int, kv_block: int) -> tuple[int, int]:
     """The (q_block, kv_block) ``fa3.forward_fp8`` gets: the caller's where the descales have one entry per
     block; where they have one entry (n == 1), a block that covers the whole sequence (for K/V a multiple of
-    the kernel's key tile, as it requires)."""
+    every FP8 key tile: fa3.fp8_whole_sequence_kv_block)."""
     if nq == 1:
         q_block = dims.seqlen_q
     if nk == 1:
-        kv_block = -(-dims.seqlen_k // fa3.FP8_BLOCK_N) * fa3.FP8_BLOCK_N
+        kv_block = fa3.fp8_whole_sequence_kv_block(dims.seqlen_k)
     return q_block, kv_block
 
 

@@ -234,9 +234,11 @@ def scales(heads, n, dtype="float32", device=0, b=B, strides=None):
 
 
 def call(arrs=None, **kwargs):
-    """flash_attn_func on ``arrs`` (default: good uint8 Specs) with fp8_format="e4m3" unless given."""
+    """flash_attn_func on ``arrs`` (default: good uint8 Specs) with fp8_format="e4m3" and descale_block=(128,
+    128) unless given (the tables below count blocks of 128; the default block has its own tests)."""
     arrs = fp8_arrays() if arrs is None else arrs
     kwargs.setdefault("fp8_format", "e4m3")
+    kwargs.setdefault("descale_block", (128, 128))
     return lambda: cuflash.flash_attn_func(arrs["q"], arrs["k"], arrs["v"], **kwargs)
 
 
@@ -247,7 +249,7 @@ def bad(arg, problem, exc, words, *, mode="spec", cc=GOOD_CC, arrs=None, fn=None
     CASES.append(Case("flash_attn_func", arg, problem, mode, fn or call(arrs, **kwargs), exc, tuple(words), cc))
 
 
-NQ, NK = -(-SQ // 128), -(-SK // 128)  # 3 and 5 blocks with the default descale_block
+NQ, NK = -(-SQ // 128), -(-SK // 128)  # 3 and 5 blocks with call()'s descale_block
 
 # --- the descales: shape, dtype, device ---------------------------------------------------------------
 for arg, heads, n, other_heads, other_n in (("q_descale", H, NQ, HKV, NK), ("k_descale", HKV, NK, H, NQ),
@@ -453,7 +455,7 @@ U8 = spec((1, 4, 2, 64), "uint8")
 
 @pytest.mark.parametrize("args,kwargs,want", [
     ((BF16, BF16, BF16), {}, False),
-    ((BF16, BF16, BF16), {"descale_block": [128, 128]}, False),
+    ((BF16, BF16, BF16), {"descale_block": list(fp8_attention.DEFAULT_DESCALE_BLOCK)}, False),
     ((U8, U8, U8), {}, True),
     ((BF16, U8, BF16), {}, True),
     ((BF16, BF16, BF16), {"fp8_format": "e4m3"}, True),
@@ -464,21 +466,24 @@ U8 = spec((1, 4, 2, 64), "uint8")
 ], ids=["bf16", "bf16-default-block-as-list", "uint8", "one-uint8", "fp8_format", "descale", "descale_block",
         "float8-dtype", "no-dtype"])
 def test_is_fp8_call(args, kwargs, want):
-    options = dict(q_descale=None, k_descale=None, v_descale=None, fp8_format=None, descale_block=(128, 128))
+    options = dict(q_descale=None, k_descale=None, v_descale=None, fp8_format=None,
+                   descale_block=fp8_attention.DEFAULT_DESCALE_BLOCK)
     options.update(kwargs)
     assert fp8_attention.is_fp8_call(*args, **options) is want
 
 
+# a per-tensor K/V descale: the kernel gets a block covering the keys that every FP8 key tile divides
+KV_WHOLE = fa3.fp8_whole_sequence_kv_block(SK)
 GOOD = [
     # (id, arrays, keyword arguments, (q_block, kv_block) the kernel gets, descales the kernel gets)
-    ("no-descales", fp8_arrays(), {}, (SQ, 640),
+    ("no-descales", fp8_arrays(), {}, (SQ, KV_WHOLE),
      [("ones", (B, H, 1), "float32"), ("ones", (B, HKV, 1), "float32"), ("ones", (B, HKV, 1), "float32")]),
     ("per-block", fp8_arrays(), dict(q_descale=scales(H, NQ), k_descale=scales(HKV, NK), v_descale=scales(HKV, NK)),
      (128, 128), [("descale", "q_descale", (B, H, NQ), (B, H, NQ)),
                   ("descale", "k_descale", (B, HKV, NK), (B, HKV, NK)),
                   ("descale", "v_descale", (B, HKV, NK), (B, HKV, NK))]),
     ("per-tensor", fp8_arrays(), dict(q_descale=scales(H, 1), k_descale=scales(HKV, 1), v_descale=scales(HKV, 1)),
-     (SQ, 640), [("descale", "q_descale", (B, H, 1), (B, H, 1)), ("descale", "k_descale", (B, HKV, 1), (B, HKV, 1)),
+     (SQ, KV_WHOLE), [("descale", "q_descale", (B, H, 1), (B, H, 1)), ("descale", "k_descale", (B, HKV, 1), (B, HKV, 1)),
                  ("descale", "v_descale", (B, HKV, 1), (B, HKV, 1))]),
     ("q64-kv256", fp8_arrays(), dict(descale_block=(64, 256), q_descale=scales(H, 5), k_descale=scales(HKV, 3),
                                      v_descale=scales(HKV, 3)),
@@ -491,22 +496,22 @@ GOOD = [
     ("v-per-block-only", fp8_arrays(), dict(v_descale=scales(HKV, NK)), (SQ, 128),
      [("ones", (B, H, 1), "float32"), ("ones", (B, HKV, NK), "float32"),
       ("descale", "v_descale", (B, HKV, NK), (B, HKV, NK))]),
-    ("one-q-scale-per-row", fp8_arrays(), dict(descale_block=[1, 128], q_descale=scales(H, SQ)), (1, 640),
+    ("one-q-scale-per-row", fp8_arrays(), dict(descale_block=[1, 128], q_descale=scales(H, SQ)), (1, KV_WHOLE),
      [("descale", "q_descale", (B, H, SQ), (B, H, SQ)), ("ones", (B, HKV, 1), "float32"),
       ("ones", (B, HKV, 1), "float32")]),
     # per-tensor k/v: kv_block need not be a multiple of 128, the kernel gets one that covers the keys
-    ("per-tensor-kv-block-100", fp8_arrays(), dict(descale_block=(128, 100), k_descale=scales(HKV, 1)), (SQ, 640),
+    ("per-tensor-kv-block-100", fp8_arrays(), dict(descale_block=(128, 100), k_descale=scales(HKV, 1)), (SQ, KV_WHOLE),
      [("ones", (B, H, 1), "float32"), ("descale", "k_descale", (B, HKV, 1), (B, HKV, 1)),
       ("ones", (B, HKV, 1), "float32")]),
     ("block-longer-than-the-keys", fp8_arrays(), dict(descale_block=(10 ** 12, 1024), k_descale=scales(HKV, 1)),
-     (SQ, 640), None),
-    ("mqa-causal-d64", fp8_arrays(hkv=1, d=64), dict(causal=True, impl="fa3"), (SQ, 640), None),
-    ("d256-gqa-seqlen1", fp8_arrays(sq=1, sk=1, d=256), dict(return_lse=True), (1, 128), None),
+     (SQ, KV_WHOLE), None),
+    ("mqa-causal-d64", fp8_arrays(hkv=1, d=64), dict(causal=True, impl="fa3"), (SQ, KV_WHOLE), None),
+    ("d256-gqa-seqlen1", fp8_arrays(sq=1, sk=1, d=256), dict(return_lse=True), (1, fa3.fp8_whole_sequence_kv_block(1)), None),
     ("packed-qkv-strides", dict(
         q=spec((B, SQ, H, D), "uint8", strides=(SQ * 3 * H * D, 3 * H * D, D, 1)),
         k=spec((B, SQ, H, D), "uint8", strides=(SQ * 3 * H * D, 3 * H * D, D, 1), ptr=0x10000 + H * D),
         v=spec((B, SQ, H, D), "uint8", strides=(SQ * 3 * H * D, 3 * H * D, D, 1), ptr=0x10000 + 2 * H * D)),
-     dict(softmax_scale=0.5), (SQ, 384), None),
+     dict(softmax_scale=0.5), (SQ, fa3.fp8_whole_sequence_kv_block(SQ)), None),
 ]
 
 
@@ -550,7 +555,7 @@ def test_float_calls_do_not_take_the_fp8_path(spec_env, monkeypatch):
     monkeypatch.setattr(api, "_pick_impl", pick_impl)
     a = fp8_arrays(dtype="bfloat16")
     with pytest.raises(_ReachedKernel, match="pick"):
-        cuflash.flash_attn_func(a["q"], a["k"], a["v"], descale_block=(128, 128))
+        cuflash.flash_attn_func(a["q"], a["k"], a["v"], descale_block=fp8_attention.DEFAULT_DESCALE_BLOCK)
     assert spec_env["launches"] == []
 
 

@@ -229,7 +229,7 @@ def test_torch_float8_e4m3fn_inputs():
     data, descales = quantised(q, k, v, 128, 128, 128)
     f8 = [x.view(torch.float8_e4m3fn) for x in data]
     out, lse = cuflash.flash_attn_func(*f8, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
-                                       causal=True, return_lse=True)
+                                       descale_block=(128, 128), causal=True, return_lse=True)
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and isinstance(lse, torch.Tensor)
     torch.cuda.synchronize()
     check([cupy.from_dlpack(x) for x in data], [cupy.from_dlpack(x) for x in descales], (128, 128), True,

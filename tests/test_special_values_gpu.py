@@ -194,7 +194,7 @@ def test_fp8_special_values_and_run_to_run(poison_allocations):
         (qd, qs), (kd, ks), (vd, vs) = (fp8.quantize(x, block=128, hadamard=h, seed=7)
                                         for x, h in ((qq, True), (kk, True), (v, False)))
         return cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
-                                       return_lse=True)
+                                       descale_block=(128, 128), return_lse=True)
 
     out, lse = run(q, k)
     again, again_lse = run(q, k)
