@@ -196,7 +196,7 @@ def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
                     impl="auto", q_descale=None, k_descale=None, v_descale=None, fp8_format=None,
-                    descale_block=(256, 256)):
+                    descale_block=fp8_attention.DEFAULT_DESCALE_BLOCK):
     """Exact attention softmax(scale · q kᵀ) v without materialising the attention matrix.
 
     Returns ``out`` (like q; with v's head dim where that differs, which FA3's forward takes at the
@@ -221,8 +221,8 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     block) with ``descale_block=(q_block, kv_block)``: query row i is e4m3(q[b, i, h]) * q_descale[b, h,
     i // q_block], key j likewise with kv_block, which must be a multiple of 128 (the kernel's key tile)
     when nk > 1; the default (256, 256) is ``cuflash.fp8.quantize``'s default block (at d = 128 a kv_block
-    that 256 divides takes the faster 256-key tiles). The scores are softmax_scale * (dequantised q) (dequantised k)^T; P is rounded to e4m3
-    for the product with V. Returns bfloat16 out (batch, seqlen_q, heads, headdim) and, with
+    that 256 divides takes the faster 256-key tiles). The scores are softmax_scale * (dequantised q)
+    (dequantised k)^T; P is rounded to e4m3 for the product with V. Returns bfloat16 out (batch, seqlen_q, heads, headdim) and, with
     ``return_lse=True``, the fp32 LSE. Head dims 64, 128, 256; causal and GQA/MQA; no window_size,
     softcap, alibi_slopes or dropout; ``impl`` "auto" or "fa3". ``cuflash.reference.attention_fp8_ref``
     is the reference.

@@ -67,8 +67,7 @@ def perf(d, n, causal, reps, peer=True, kvblock=128):
 
 def profile_once(spec: str) -> None:
     """d:N:causal at the benchmark shape and the fp8 suite's descale blocks: compile and warm up with two calls,
-    then exactly one call between
-    cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off)."""
+    then exactly one call between cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off)."""
     from cupy_backends.cuda.api import runtime
 
     d, n, causal = (int(x) for x in spec.split(":"))
