@@ -66,6 +66,7 @@ __all__ = [
     "attention_ref_backward",
     "attention_ref_backward_lowp",
     "check_close",
+    "rounding_atol",
     "attention_naive",
     "attention_naive_backward",
     "kv_block_range",
@@ -484,6 +485,23 @@ def check_close(name, out, ref, lowp_ref, *, atol=1e-3):
                              f"(= 2 * lowp error {max_low:.3e} + atol {float(atol):.1e}); worst at index {idx}: "
                              f"out {o[idx]!r}, ref {r[idx]!r}")
     return max_err
+
+
+def rounding_atol(ref, dtype):
+    """FlashAttention-3's ``atol`` for gradients: twice the change that adding and then removing 0.3 in
+    ``dtype`` makes to the reference's values (``2 * max|(ref + 0.3) - 0.3 - ref|``, each step rounded) --
+    the dtype's rounding noise at the magnitude of the largest values, about two units in the last place.
+
+    A tiny case's lowp error is the max over a handful of elements, so ``2 * max|lowp_ref - ref|`` can fall
+    under one ulp of a gradient of size ~1 while a kernel that rounds dS at another point than the naive
+    reference (every flash backward rounds dS before the softmax scale) sits 2 ulps off; this term is what
+    FlashAttention-3's tests add for that. Returns a Python float.
+    """
+    r = _round_to(numpy.asarray(_host_f64(ref), numpy.float32), dtype)
+    moved = _round_to(_round_to(r + numpy.float32(0.3), dtype) - numpy.float32(0.3), dtype)
+    with numpy.errstate(invalid="ignore"):
+        noise = numpy.where(numpy.isfinite(r), numpy.abs(moved - r), 0.0)
+    return 2.0 * float(noise.max()) if noise.size else 0.0
 
 
 def fp8_score_error_bound(q_data, k_data, q_descale, k_descale, *, descale_block=(256, 256),

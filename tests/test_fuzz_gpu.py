@@ -1,6 +1,7 @@
 """GPU tier: random configurations, every implementation that supports each one, against the fp32
 reference by FlashAttention's tolerance rule (``cuflash.reference.check_close`` with the naive
-low-precision references), outputs poisoned so unwritten elements fail.
+low-precision references; gradients with FlashAttention-3's atol, ``reference.rounding_atol``), outputs
+poisoned so unwritten elements fail.
 
 Each run draws ``CUFLASH_FUZZ_CASES`` (default 300) configurations: batch 1-3, seqlen_q/seqlen_k
 1-700 (odd values and tile edges likely), kv_heads 1-4 with GQA ratios 1/2/3/4/8, every head dim some
@@ -321,7 +322,10 @@ def run_case(cfg, rng, available):
         grads = cuflash.flash_attn_backward(dout, q, k, v, out, lse, **mask_kw, **extra, **det, impl=name)
         for gname, g, g_ref, g_low, like in zip(("dq", "dk", "dv"), grads, grads_ref, grads_low, (q, k, v)):
             assert g.shape == like.shape and g.dtype == like.dtype, (gname, g.shape, g.dtype)
-            ref.check_close(f"{name} backward {gname}", g, g_ref, g_low)
+            # FlashAttention-3's gradient atol (the dtype's noise at the gradient's magnitude): a tiny case's
+            # 2 x lowp error can be under one ulp while a kernel rounding dS before the scale is 2 ulps off
+            atol = max(1e-3, ref.rounding_atol(g_ref, q.dtype))
+            ref.check_close(f"{name} backward {gname}", g, g_ref, g_low, atol=atol)
         checked.append(f"bwd-{name}" + ("-deterministic" if det else ""))
     return checked
 

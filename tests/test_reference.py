@@ -380,6 +380,68 @@ def test_lowp_backward_models_d_from_the_stored_output(seed):
     R.check_close("flash-style dq", _flash_style_dq(dout, q, k, v), dq_ref, dq_low)
 
 
+def _flash_rounding_grads(dout, q, k, v):
+    """dQ, dK as every flash backward rounds them, causal, GQA: P from fp32 scores, D from the bf16 output,
+    dS = P (dP - D) rounded to bf16 *before* the softmax scale (it feeds the bf16 tensor cores), then
+    dQ = scale dS K and dK = scale sum over the group of dS^T Q in fp32, each rounded once."""
+    f32 = np.float32
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = f32(1 / np.sqrt(d))
+    qq, kk, vv, do = (np.asarray(x, f32) for x in (q, k, v, dout))
+    kk, vv = np.repeat(kk, h // hkv, axis=2), np.repeat(vv, h // hkv, axis=2)
+    visible = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq
+    s = np.where(visible, np.einsum("bqhd,bkhd->bhqk", qq, kk) * scale, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).astype(f32)
+    out = R._round_to(np.einsum("bhqk,bkhd->bqhd", R._round_to(p, BF16), vv), BF16)
+    d_rows = (out * do).sum(-1).transpose(0, 2, 1)[..., None]
+    ds = R._round_to(p * (np.einsum("bqhd,bkhd->bhqk", do, vv) - d_rows), BF16)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
+    dk = (np.einsum("bhqk,bqhd->bkhd", ds, qq) * scale).reshape(b, sk, hkv, h // hkv, d).sum(3)
+    return R._round_to(dq, BF16), R._round_to(dk, BF16)
+
+
+@pytest.mark.parametrize("seed", [710, 734, 1569])
+def test_rounding_atol_covers_tiny_gqa_gradients(seed):
+    """2 queries x 2 keys, 8 heads on 2 KV heads, d = 32, causal (tests/test_fuzz_gpu's case 434682619, where
+    FA1's dK was 2 bf16 ulps off): with so few elements 2 x the naive bf16 error can fall under one ulp, and
+    these seeds' flash-rounded gradients fail the plain rule (12 of 3000 seeds; 1 of 3000 with the atol).
+    FlashAttention-3's atol (reference.rounding_atol) takes them; an error of 4 ulps at the worst element
+    still fails."""
+    rng = np.random.default_rng(seed)
+    q, dout = (rng.standard_normal((1, 2, 8, 32)).astype(np.float32).astype(BF16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 2, 32)).astype(np.float32).astype(BF16) for _ in range(2))
+    grads_ref = R.attention_ref_backward(dout, q, k, v, causal=True, compute_dtype="float64")
+    grads_low = R.attention_ref_backward_lowp(dout, q, k, v, causal=True)
+    failed_plain = False
+    for g, g_ref, g_low in zip(_flash_rounding_grads(dout, q, k, v), grads_ref, grads_low):
+        atol = R.rounding_atol(g_ref, BF16)
+        assert 2 ** -8 <= atol <= 4 * 2 ** -7 * max(1.0, np.abs(g_ref).max())  # about 2 ulps at |g| ~ 1-2
+        try:
+            R.check_close("plain rule", g, g_ref, g_low)
+        except AssertionError:
+            failed_plain = True
+        R.check_close("with rounding_atol", g, g_ref, g_low, atol=atol)
+        worst = np.unravel_index(np.argmax(np.abs(g_ref)), g_ref.shape)
+        bad = g.astype(np.float32)
+        bad[worst] += 4 * 2.0 ** (np.floor(np.log2(abs(g_ref[worst]))) - 7)  # 4 ulps of bf16 there
+        with pytest.raises(AssertionError):
+            R.check_close("4 ulps off", bad, g_ref, g_low, atol=atol)
+    assert failed_plain
+
+
+def test_rounding_atol_of_exact_and_empty_arrays():
+    assert R.rounding_atol(np.zeros((0,), np.float32), BF16) == 0.0
+    # 0 + 0.3 rounds to 0.30078125 in bf16; less 0.3, rounded again, that leaves ~7.8e-4
+    noise = np.float32(np.float32(0.30078125) - np.float32(0.3)).astype(BF16).astype(np.float32)
+    assert R.rounding_atol(np.zeros((3,), np.float32), BF16) == 2 * float(noise)
+    # fp16 keeps 3 more bits than bf16: its noise at the same values is ~8x smaller
+    x = np.random.default_rng(0).uniform(1, 2, 1000).astype(np.float32)
+    assert 4 < R.rounding_atol(x, BF16) / R.rounding_atol(x, np.float16) < 16
+    assert R.rounding_atol(np.array([np.inf, -np.inf, 1.0], np.float32), BF16) < 0.05
+
+
 def test_lowp_empty_rows():
     q, k, v, dout = _inputs(41, 1, 9, 4, 2, 1, 8, dtype=BF16)
     out, lse = R.attention_ref_lowp(q, k, v, causal=True)
