@@ -155,7 +155,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
            ("CUFLASH_STORE_O_TMA", int(store_o_tma)), ("CUFLASH_PACK_GQA", int(pack_gqa)), ("CUFLASH_FP8", int(fp8)),
            ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
            ("CUFLASH_CONSUMERS", t.consumers), ("CUFLASH_TAIL_SPLIT", int(tail)), ("CUFLASH_SMEM_BYTES", smem))
-        + ((("CUFLASH_EXP2_EMU", t.exp2_emu),) if t.exp2_emu else ()),
+        + ((("CUFLASH_EXP2_EMU", t.exp2_emu),) if t.exp2_emu else ())
+        + ((("CUFLASH_SPECULATIVE_MAX", 1),) if t.speculative_max else ()),
         threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
 

@@ -16,6 +16,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              tiles of FA3_FP8_TILES_WIDE (no overlap, pingpong)
   fp8-d128-blocks  FP8 forward d = 128 N = 8k: the 256-key tiles on K / V descales per 256 keys and per
              tensor, the 128-key tiles on blocks of 128 and 256
+  fp8-d128-spec  FP8 forward d = 128 N = 2k, 8k, 16k, causal and not, 256-key tiles: the softmax's
+             exponentials after each tile's max against from the running max (SPECULATIVE_MAX)
   fp8-scaling  FP8 forward d = 128 N = 8k on descales per 128-row block and per tensor (what the per-block
              V descale's O rescale at every tile costs)
   fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched (session
@@ -38,6 +40,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              shared memory (as built) against from registers (CUFLASH_STORE_DKV_TMA=0)
   bwd-split-sdp FA3 backward d = 256, N = 2k and 8k, causal and not: bwd_wide.cu's S^T / P^T on consumer 0
              and dP^T / dS^T on consumer 1 (as built) against both on each for half the queries
+  fwd-spec   FA3 forward bf16 d = 64, 128, 256, N = 2k and 8k, causal and not: the tables' tiles with the
+             softmax's exponentials after each tile's max against from the running max (SPECULATIVE_MAX)
+  fwd-spec-d128  the same at d = 128, N = 2k and 4k
   fwd-d64    FA3 forward bf16 d = 64, causal N = 1k, 2k, 4k and non-causal 2k, 8k (causal 2k 0.94 of cuDNN):
              the table's tiles (three consumer warpgroups from causal 2k) against two warpgroups, and the
              three-warpgroup tiles without pingpong, with 3 stages, without the intra-warpgroup overlap,
@@ -58,8 +63,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -160,9 +165,11 @@ def list_variants() -> list:
         for config in fp8_configs(d).values():
             with config():  # (the experiments' calls have 8k rows and 128-key descale blocks: the long-row tiles)
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=fa3.FP8_BLOCK_N))
-    for config in fp8_keys_configs().values():
-        with config():
-            out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, long_rows=True, kv_block=256))
+    for config in list(fp8_keys_configs().values()) + list(fp8_spec_configs().values()):
+        for unmasked in (False, True):
+            with config():
+                out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
+                                           kv_block=256))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
     with bwd_defines(*DKV_FROM_REGISTERS):
@@ -176,6 +183,12 @@ def list_variants() -> list:
     for d in BF16_HEADDIMS:  # bf16_pingpong's (N = 2k and 8k, causal and not)
         with pingpong_switched(d):
             out += bf16_forward_variants(d, [(n, causal) for n in (2048, 8192) for causal in (False, True)])
+    for d in BF16_HEADDIMS:  # fwd_spec's
+        for on in (False, True):
+            with speculative_max_set(d, on):
+                out += bf16_forward_variants(d, SPEC_CASES)
+    with speculative_max_set(128, False):  # test_fa3_gpu's test_d128_where_row_maxima_rise (softcap too)
+        out += [fa3.fwd_variant(128, "bfloat16", softcap=True, unmasked=unmasked) for unmasked in (False, True)]
     for config in D64.values():  # fwd_d64's
         with config():
             out += bf16_forward_variants(64, D64_CASES)
@@ -240,6 +253,26 @@ def fp8_keys_configs():
     # (2 max chains and exp2_emu 8 / 4 on the 256-key tiles made ptxas serialise their wgmma: not measured)
     long, wide = heuristics.FA3_FP8_TILES_LONG[128], heuristics.FA3_FP8_TILES_WIDE[128]
     return {"128 keys": lambda: fp8_tiles(128, long), "256 keys": lambda: fp8_tiles(128, wide)}
+
+
+def fp8_spec_configs():
+    wide = heuristics.FA3_FP8_TILES_WIDE[128]
+    return {"256 keys": lambda: fp8_tiles(128, dataclasses.replace(wide, speculative_max=False)),
+            "256 keys, speculative max": lambda: fp8_tiles(128, dataclasses.replace(wide, speculative_max=True))}
+
+
+def fp8_spec(rounds, reps):
+    """FP8 d = 128 on the 256-key tiles, K / V descales per 256 keys, N = 2k ... 16k, causal and not: the
+    exponentials after each tile's max (step) against from the running max (speculate)."""
+    import fp8_probe
+
+    d = 128
+    for n in (2048, 8192, 16384):
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            interleaved(f"fp8 d={d} N={n} causal={causal} speculative max", fp8_spec_configs(),
+                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=256)[0], flops, rounds, reps)
 
 
 def fp8_keys(rounds, reps):
@@ -309,6 +342,33 @@ def bf16_pingpong(rounds, reps):
                 interleaved(f"fa3 bf16 d={d} N={n} causal={causal}", configs,
                             lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), flops,
                             rounds, reps)
+
+
+def speculative_max_set(d, on):
+    """bf16 FA3 forward calls at head dim d take their tiles with the speculative max (fwd.cu SPECULATIVE_MAX)
+    on or off."""
+    def switch(table):
+        if d in table:
+            table[d] = dataclasses.replace(table[d], speculative_max=on)
+
+    return tables_edited((heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG), switch)
+
+
+SPEC_CASES = [(n, causal) for n in (2048, 8192) for causal in (False, True)]
+
+
+def fwd_spec(rounds, reps, headdims=BF16_HEADDIMS, cases=SPEC_CASES):
+    import cuflash
+
+    for d in headdims:
+        for n, causal in cases:
+            b, h, (q, k, v) = bench_shape(d, n, 3)
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            configs = {"after the max": lambda: speculative_max_set(d, False),
+                       "speculative max": lambda: speculative_max_set(d, True)}
+            interleaved(f"fa3 bf16 d={d} N={n} causal={causal}", configs,
+                        lambda: lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), flops,
+                        rounds, reps)
 
 
 def bwd_dq(rounds, reps):
@@ -663,9 +723,10 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": fp8_spec, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
-            "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-spec": fwd_spec,
+            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

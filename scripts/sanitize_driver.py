@@ -115,6 +115,11 @@ def _cases(name, direction):
             # Sq > Sk, empty ones between them; some blocks get only empty tiles
             for causal in (False, True):
                 cases.append(dict(b=2, sq=1000, sk=100, h=20, hkv=4, d=128, dtype="bfloat16", causal=causal))
+            # keys scaled 4x and 16x by block: row maxima rise past the speculative max's headroom (d = 128:
+            # the warpgroup's vote and the recompute of S under the P V in flight)
+            for causal in (False, True):
+                cases.append(dict(b=1, sq=200, sk=600, h=4, hkv=2, d=128, dtype="bfloat16", causal=causal,
+                                  rising_max=True))
     cases.append(dict(b=1, sq=1, sk=133, h=4, hkv=2, d=mid, dtype="bfloat16", causal=True))
     if "window" in feats:
         cases.append(dict(b=1, sq=77, sk=133, h=2, hkv=1, d=mid, dtype="float16", causal=False, window=(16, 8)))
@@ -158,6 +163,8 @@ def _describe(c):
         s += " alibi"
     if c.get("deterministic"):
         s += " deterministic"
+    if c.get("rising_max"):
+        s += " rising maxima"
     return s
 
 
@@ -181,6 +188,9 @@ def run_family(family, check, rng):
 
         q, k, v = rand(c["b"], c["sq"], c["h"], c["d"]), rand(c["b"], c["sk"], c["hkv"], c["d"]), rand(
             c["b"], c["sk"], c["hkv"], c["d"])
+        if c.get("rising_max"):
+            growth = cupy.asarray(4.0 ** np.minimum(np.arange(c["sk"]) // 128, 2), dtype=cupy.float32)
+            k = (k.astype(cupy.float32) * growth[None, :, None, None]).astype(k.dtype)
         kw = dict(causal=c["causal"], window_size=c.get("window", (-1, -1)))
         extra = {}
         if c.get("softcap"):

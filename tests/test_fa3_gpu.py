@@ -42,6 +42,34 @@ def test_forward(poison_allocations, d, causal, seqlens, heads):
     _check(q, k, v, causal)
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["after-max", "speculative"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+def test_d128_where_row_maxima_rise(poison_allocations, monkeypatch, speculative, causal, softcap):
+    """d = 128 with the speculative max (fwd.cu SPECULATIVE_MAX: a tile's exponentials from the running max;
+    heuristics.FA3_TILES) and without: keys 128-255 scaled 4x and the rest 16x, so every row's max rises more
+    than 2^8-fold after its first tiles, and one late key that only the first 16 query rows of each 128-row
+    block (one warp of a consumer) align with, so one warp's vote makes its warpgroup recompute S while its
+    previous P V is in flight (the intra-warpgroup overlap)."""
+    import dataclasses
+
+    import cupy
+    from cuflash import heuristics
+
+    tiles = heuristics.FA3_TILES[128]
+    monkeypatch.setitem(heuristics.FA3_TILES, 128, dataclasses.replace(tiles, speculative_max=speculative))
+    rng = np.random.default_rng()
+    q, k, v = _inputs(rng, 2, 700, 1500, 4, 2, 128, "bfloat16")
+    growth = cupy.asarray(4.0 ** np.minimum(np.arange(1500) // 128, 2), dtype=cupy.float32)[None, :, None, None]
+    k = (k.astype(cupy.float32) * growth).astype(k.dtype)
+    u = cupy.asarray(rng.standard_normal(128).astype(np.float32))
+    late = q.astype(cupy.float32)
+    late[:, cupy.asarray((np.arange(700) % 128) < 16)] += 3 * u
+    q = late.astype(q.dtype)
+    k[:, 1400] = (2 * u).astype(k.dtype)  # ~70 nats above the rest for those rows
+    _check(q, k, v, causal, softcap=softcap)
+
+
 @pytest.mark.parametrize("rows", ["short", "long"])
 @pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (1023, 1023)])
 @pytest.mark.parametrize("window", [(-1, 0), (100, 3)])

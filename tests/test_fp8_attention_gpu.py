@@ -34,6 +34,8 @@ instead and prints the RMSE of block scaling + Hadamard and of per-tensor scalin
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -204,6 +206,33 @@ def test_forward_256_key_tiles_on_blocks_of_very_different_scales(monkeypatch, c
 
     v = scaled(v, 10.0 ** (block % 3 - 1))  # 0.1, 1, 10, 0.1, ...
     k = scaled(k, 3.0 ** ((block + 1) % 3 - 1))  # 1, 3, 1/3, 1, ...
+    data, descales = quantised(q, k, v, 128, 256, 256)
+    check(data, descales, (128, 256), causal)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["after-max", "speculative"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_256_key_tiles_where_row_maxima_rise(monkeypatch, causal, speculative):
+    """Row maxima that rise past 2^8 after a row's first tile, where the speculative max (fwd.cu
+    SPECULATIVE_MAX: exponentials from the running max) must recompute S: keys 256-511 scaled 4x and the rest
+    16x (every row's max rises more than 2^8-fold twice, then holds), and one late key that only the first 16
+    query rows of each Q block (one warp of a consumer) align with, so one warp's vote makes its warpgroup
+    redo the tile."""
+    import cupy
+
+    monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
+    wide = heuristics.FA3_FP8_TILES_WIDE[128]
+    monkeypatch.setitem(heuristics.FA3_FP8_TILES_WIDE, 128, dataclasses.replace(wide, speculative_max=speculative))
+    rng = np.random.default_rng()
+    q, k, v = inputs(rng, 2, 700, 2000, 4, 2, 128, "bfloat16")
+    growth = cupy.asarray(4.0 ** np.minimum(np.arange(2000) // 256, 2), dtype=cupy.float32)[None, :, None, None]
+    k = (k.astype(cupy.float32) * growth).astype(k.dtype)
+    u = cupy.asarray(rng.standard_normal(128).astype(np.float32))
+    late = q.astype(cupy.float32)
+    rows = (np.arange(700) % 128) < 16
+    late[:, cupy.asarray(rows)] += 3 * u
+    q = late.astype(q.dtype)
+    k[:, 1900] = (2 * u).astype(k.dtype)  # ~70 nats above the rest for those rows
     data, descales = quantised(q, k, v, 128, 256, 256)
     check(data, descales, (128, 256), causal)
 

@@ -127,6 +127,16 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
+// Whether `pred` holds in any thread of this warpgroup (named barrier `id` over its 128 threads, which all
+// call this at the same point).
+__device__ __forceinline__ bool warpgroup_any(bool pred, int id) {
+    u32 any;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n barrier.cta.red.or.pred q, %2, 128, p;\n"
+        " selp.u32 %0, 1, 0, q;\n}"
+        : "=r"(any) : "r"(u32(pred)), "r"(id) : "memory");
+    return any != 0;
+}
 
 // ---------------------------------------------------------------------------------------------------
 // wgmma: a warpgroup (4 warps) multiplies a 64 x 16 A by a 16 x N B into a 64 x N fp32 accumulator.

@@ -67,6 +67,19 @@ constexpr int EXP2_EMU = CUFLASH_EXP2_EMU;
 // chain is 2 BN / 8 dependent instructions (17 at BN = 128), which a lone softmax warp waits out (ncu, FP8
 // d = 128: FMNMX 13 % of the stall samples). A tuning switch (scripts/ab_probe.py); 1 = one chain.
 constexpr int MAX_CHAINS = CUFLASH_MAX_CHAINS;
+#ifndef CUFLASH_SPECULATIVE_MAX
+#define CUFLASH_SPECULATIVE_MAX 0
+#endif
+// In tiles every row of a warpgroup sees whole, the exponentials of S_n start from the running max of the
+// tiles before instead of waiting for S_n's own max (OnlineSoftmax::speculate): the max chain and its quad
+// shuffles leave the softmax's critical path. heuristics.FA3_TILES takes it where it measured faster (bf16
+// d = 128, most at N = 2k); FP8's 256-key tiles lost 2-4 % with it (their two consumers' softmaxes share the
+// SFU, which one's max phase was not leaving idle). With the intra-warpgroup overlap the rare recompute of S
+// also waits for the P V in flight (which reads P_{n-1} and O, not S).
+constexpr bool SPECULATIVE_MAX = CUFLASH_SPECULATIVE_MAX;
+// A row whose max rose by at most SPEC_HEADROOM (log2 units) keeps the old max: its P is at most 2^8, which
+// e4m3 (448) and bf16 hold; beyond that S is recomputed.
+constexpr float SPEC_HEADROOM = 8.f;
 constexpr int DV = CUFLASH_HEADDIM_V;  // of V and O (d_v; d_qk unless the launcher asks otherwise)
 static_assert(DV % 16 == 0, "O is stored two 8-column groups at a time");
 constexpr bool FP8 = CUFLASH_FP8;
@@ -241,6 +254,7 @@ __device__ __forceinline__ float row_max_of(const float (&sc)[BN / 2], int r, fl
 // cuflash/_params.logit_scales.
 struct OnlineSoftmax {
     float row_max[2] = {neg_inf(), neg_inf()}, row_sum[2] = {0.f, 0.f}, alpha[2] = {1.f, 1.f};
+    float pend_sum[2];  // speculate()'s sums of P until commit()
 
     // S_n -> P_n = exp2(S scale - m_new) in place, with the mask applied unless every (row, key) of this
     // warpgroup's rows and K tile n is visible. qrow: the query rows of this thread's two rows. Returns
@@ -297,6 +311,56 @@ struct OnlineSoftmax {
             row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
         return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+    }
+
+    // SPECULATIVE_MAX, a tile every row of the warpgroup sees whole: S_n -> P_n in place with the exponentials
+    // taken from the running max, and the tile's max found alongside in the same units, so no exponential
+    // waits for a max chain and the quad shuffles: t = x scale_log2 - base (log2 units above the running
+    // max), P = 2^t, and a row's largest t is how far its max rose. Up to SPEC_HEADROOM the old max stands
+    // (P <= 2^8) and only the sums change (commit()). Beyond, or for a row with no running max yet (base
+    // -inf: t and P are inf), returns true: the warpgroup (if any thread of it says so) recomputes S and
+    // takes step() on the state as it was. Rare: after a row's first tiles its max seldom rises 256-fold.
+    // (The max over t, not over S: S dies at its FFMA. Scaling such rows down in place instead of the
+    // recompute made ptxas serialise the wgmma under NVRTC 13.0, for want of registers.)
+    __device__ __forceinline__ bool speculate(float (&sc)[BN / 2], const Fa3FwdParams& p, const float (&row_scale)[2],
+                                              float tile_scale) {
+        if constexpr (SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) sc[i] = tanh_approx(sc[i] * p.softcap_pre);
+        }
+        bool redo = false;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float qk = FP8 ? row_scale[r] * tile_scale : 1.f;  // as in step()
+            const float scale_log2 = p.scale_log2 * qk, base = row_max[r] * p.scale_log2;
+            float part[MAX_CHAINS], sum = 0.f;
+#pragma unroll
+            for (int c = 0; c < MAX_CHAINS; ++c) part[c] = neg_inf();
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = sc[4 * j + 2 * r + e];
+                    x = x * scale_log2 - base;
+                    part[j % MAX_CHAINS] = fmaxf(part[j % MAX_CHAINS], x);
+                    x = fast_exp2(x);
+                    sum += x;
+                }
+            }
+#pragma unroll
+            for (int c = 1; c < MAX_CHAINS; ++c) part[0] = fmaxf(part[0], part[c]);
+            redo |= quad_max(part[0]) > SPEC_HEADROOM;  // (+inf without a running max; NaN never redoes)
+            pend_sum[r] = sum;
+        }
+        return redo;
+    }
+    // speculate()'s sums join the state (the max and hence O stay as they were).
+    __device__ __forceinline__ void commit() {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            alpha[r] = 1.f;
+            row_sum[r] += pend_sum[r];
+        }
     }
 
     // Row r's natural-log LSE, (m scale log2 e + log2 l) ln 2, from its quad-summed l; -inf for a row that
@@ -699,8 +763,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 pv_alpha[0] = softmax.alpha[0];
                 pv_alpha[1] = softmax.alpha[1];
             }
-            rescale = softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n), qrow, n, q4, p,
-                                   row_scale, tile_scale);
+            const bool all_visible = mask.rows_all_visible<BN>(wg_first, wg_last, n);
+            if (SPECULATIVE_MAX && all_visible) {  // (uniform over the warpgroup, as the vote needs)
+                if (warpgroup_any(softmax.speculate(sc, p, row_scale, tile_scale), EPILOGUE_BAR + c)) {
+                    issue_qk(sc, q_rows, sm.k[s]);  // a max rose past what P holds: S_n again (K_n is still here)
+                    wgmma_wait<0>();
+                    wgmma_fence_regs(sc);
+                    rescale = softmax.step(sc, mask, true, qrow, n, q4, p, row_scale, tile_scale);
+                } else {
+                    softmax.commit();
+                    rescale = false;
+                }
+            } else {
+                rescale = softmax.step(sc, mask, all_visible, qrow, n, q4, p, row_scale, tile_scale);
+            }
             // K_n's slot is released after the exponentials, not right after S_n: this branch ends the block
             // that holds them, so ptxas cannot hoist the wait for P V (below) above them; in one block it
             // does, which serialises the loop (tests/test_compile.py checks the SASS).
