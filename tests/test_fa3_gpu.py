@@ -10,6 +10,7 @@ from cuflash import fa3
 from cuflash import reference as ref
 from gpu_checks import check_backward, check_forward, check_varlen_backward, check_varlen_forward, varlen_batch
 from gpu_checks import inputs as _inputs
+from gpu_checks import rising_maxima_inputs
 from gpu_checks import with_exp2_emu
 
 pytestmark = pytest.mark.gpu
@@ -53,20 +54,11 @@ def test_d128_where_row_maxima_rise(poison_allocations, monkeypatch, speculative
     previous P V is in flight (the intra-warpgroup overlap)."""
     import dataclasses
 
-    import cupy
     from cuflash import heuristics
 
     tiles = heuristics.FA3_TILES[128]
     monkeypatch.setitem(heuristics.FA3_TILES, 128, dataclasses.replace(tiles, speculative_max=speculative))
-    rng = np.random.default_rng()
-    q, k, v = _inputs(rng, 2, 700, 1500, 4, 2, 128, "bfloat16")
-    growth = cupy.asarray(4.0 ** np.minimum(np.arange(1500) // 128, 2), dtype=cupy.float32)[None, :, None, None]
-    k = (k.astype(cupy.float32) * growth).astype(k.dtype)
-    u = cupy.asarray(rng.standard_normal(128).astype(np.float32))
-    late = q.astype(cupy.float32)
-    late[:, cupy.asarray((np.arange(700) % 128) < 16)] += 3 * u
-    q = late.astype(q.dtype)
-    k[:, 1400] = (2 * u).astype(k.dtype)  # ~70 nats above the rest for those rows
+    q, k, v = rising_maxima_inputs(np.random.default_rng(), 700, 1500, 128, 1400)
     _check(q, k, v, causal, softcap=softcap)
 
 

@@ -42,7 +42,7 @@ import pytest
 import cuflash
 from cuflash import api, fa3, fp8, heuristics
 from cuflash import reference as ref
-from gpu_checks import inputs, with_exp2_emu
+from gpu_checks import inputs, rising_maxima_inputs, with_exp2_emu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_allocations")]
 
@@ -218,21 +218,10 @@ def test_forward_256_key_tiles_where_row_maxima_rise(monkeypatch, causal, specul
     16x (every row's max rises more than 2^8-fold twice, then holds), and one late key that only the first 16
     query rows of each Q block (one warp of a consumer) align with, so one warp's vote makes its warpgroup
     redo the tile."""
-    import cupy
-
     monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
     wide = heuristics.FA3_FP8_TILES_WIDE[128]
     monkeypatch.setitem(heuristics.FA3_FP8_TILES_WIDE, 128, dataclasses.replace(wide, speculative_max=speculative))
-    rng = np.random.default_rng()
-    q, k, v = inputs(rng, 2, 700, 2000, 4, 2, 128, "bfloat16")
-    growth = cupy.asarray(4.0 ** np.minimum(np.arange(2000) // 256, 2), dtype=cupy.float32)[None, :, None, None]
-    k = (k.astype(cupy.float32) * growth).astype(k.dtype)
-    u = cupy.asarray(rng.standard_normal(128).astype(np.float32))
-    late = q.astype(cupy.float32)
-    rows = (np.arange(700) % 128) < 16
-    late[:, cupy.asarray(rows)] += 3 * u
-    q = late.astype(q.dtype)
-    k[:, 1900] = (2 * u).astype(k.dtype)  # ~70 nats above the rest for those rows
+    q, k, v = rising_maxima_inputs(np.random.default_rng(), 700, 2000, 256, 1900)
     data, descales = quantised(q, k, v, 128, 256, 256)
     check(data, descales, (128, 256), causal)
 
