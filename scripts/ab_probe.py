@@ -18,6 +18,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              tensor, the 128-key tiles on blocks of 128 and 256
   fp8-d128-spec  FP8 forward d = 128 N = 2k, 8k, 16k, causal and not, 256-key tiles: the softmax's
              exponentials after each tile's max against from the running max (SPECULATIVE_MAX)
+  fp8-spec-long  FP8 forward d = 64 and 128 on K / V descale blocks of 128 (intra-warpgroup overlap), N = 2k
+             and 8k, causal and not: the plain step against the speculative max
   fp8-scaling  FP8 forward d = 128 N = 8k on descales per 128-row block and per tensor (what the per-block
              V descale's O rescale at every tile costs)
   fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched (session
@@ -63,7 +65,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -170,6 +172,12 @@ def list_variants() -> list:
             with config():
                 out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
                                            kv_block=256))
+    for d in (64, 128):  # fp8_spec_long's
+        for config in fp8_spec_long_configs(d).values():
+            for unmasked in (False, True):
+                with config():
+                    out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
+                                               kv_block=128))
     with bwd_defines(*NO_DQ_ADD):
         out += [fa3.bwd_variant(d, "bfloat16", block_m=fa3.bwd_block_m(d, False)) for d in (64, 128)]
     with bwd_defines(*DKV_FROM_REGISTERS):
@@ -273,6 +281,28 @@ def fp8_spec(rounds, reps):
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             interleaved(f"fp8 d={d} N={n} causal={causal} speculative max", fp8_spec_configs(),
                         lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=256)[0], flops, rounds, reps)
+
+
+def fp8_spec_long_configs(d):
+    """The tiles FP8 calls at head dim d take on K / V descale blocks of 128 (d = 128: the 128-key long-row
+    tiles; d = 64: FA3_FP8_TILES), with and without the speculative max."""
+    base = heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
+    return {"after the max": lambda: fp8_tiles(d, dataclasses.replace(base, speculative_max=False)),
+            "speculative max": lambda: fp8_tiles(d, dataclasses.replace(base, speculative_max=True))}
+
+
+def fp8_spec_long(rounds, reps):
+    """FP8 d = 64 and 128 on K / V descale blocks of 128 (intra-warpgroup overlap, as bf16 d = 128, which
+    gained with the speculative max): N = 2k and 8k, causal and not."""
+    import fp8_probe
+
+    for d in (64, 128):
+        for n in (2048, 8192):
+            b, h = 16384 // n, 2048 // d
+            for causal in (False, True):
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                interleaved(f"fp8 d={d} N={n} causal={causal} kv block 128", fp8_spec_long_configs(d),
+                            lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=128)[0], flops, rounds, reps)
 
 
 def fp8_keys(rounds, reps):
@@ -723,7 +753,7 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": fp8_spec, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": fp8_spec, "fp8-spec-long": fp8_spec_long, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
