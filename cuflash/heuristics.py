@@ -166,8 +166,8 @@ class Fa3Tiles:
     # the softmax computes one group of 8 key columns in exp2_emu on the FMA pipe instead of the SFU
     # (common/poly_exp2.cuh); 0 = none
     exp2_emu: int = 0
-    # exponentials from the running max, the tile's max found alongside (kernels_cu/fa3/fwd.cu
-    # SPECULATIVE_MAX); without the intra-warpgroup overlap only
+    # a tile's exponentials from the running max, its max found alongside (kernels_cu/fa3/fwd.cu
+    # SPECULATIVE_MAX; S recomputed in the rare tile where a row's max rises past 2^8)
     speculative_max: bool = False
 
 
@@ -182,6 +182,7 @@ class Fa3Tiles:
 # (594), causal 545 -> 553 (544), 2k 506 -> 537 (510), causal 413 -> 414; d = 256 causal 8k 598 -> 615
 # (598), 2k 469 -> 469. d = 64 moved both ways within its spread and keeps it; d = 256's 80-key tiles spill
 # 40 bytes without it and keep it too.
+#
 # d = 128 takes the speculative max (a tile's exponentials from the running max, its max found alongside;
 # fwd.cu SPECULATIVE_MAX): ab_probe fwd-spec-d128 (H200, 7 rounds, TF/s, after the max -> speculative) N = 2k
 # 591 -> 618, causal 501 -> 522; 4k 636 -> 630, causal 554 -> 562; 8k 611 -> 607 (3 rounds). d = 64 and 256
