@@ -504,7 +504,12 @@ def rounding_atol(ref, dtype):
     return 2.0 * float(noise.max()) if noise.size else 0.0
 
 
-def fp8_score_error_bound(q_data, k_data, q_descale, k_descale, *, descale_block=(256, 256),
+# Rows per FP8 descale that the FP8 references default to: cuflash.fp8.DEFAULT_BLOCK's value (written here
+# again so that the references import nothing of the package they check).
+FP8_BLOCK = 256
+
+
+def fp8_score_error_bound(q_data, k_data, q_descale, k_descale, *, descale_block=(FP8_BLOCK, FP8_BLOCK),
                           softmax_scale=None, aligned=True):
     """How far the FP8 tensor cores may move a scaled score: the largest ``fp8_score_error_units`` over the
     (query, key) pairs of a head, times softmax_scale * 2**-14. ``aligned=False`` leaves out the term of
@@ -543,8 +548,8 @@ def fp8_score_error_units(d, abs_dot, dot=None):
     return units if dot is None else units + (d / 4) * abs(dot)
 
 
-def check_fp8_attention(name, out, lse, data, descales, *, descale_block=(256, 256), causal=False,
-                        softmax_scale=None, atol=1e-2):
+def check_fp8_attention(name, out, lse, data, descales, *, descale_block=(FP8_BLOCK, FP8_BLOCK),
+                        causal=False, softmax_scale=None, atol=1e-2):
     """The FP8 forward's ``out`` and ``lse`` against ``attention_fp8_ref`` of the same e4m3 bytes ``data`` =
     (q, k, v) and ``descales``, by ``check_close``: out with the model that rounds P to e4m3 (and the output
     to bf16) as the low-precision reference, the LSE against the exact one, both with ``atol`` or twice
@@ -1216,7 +1221,7 @@ def _per_row(g, block, seqlen):
     return numpy.repeat(g, block, axis=2)[:, :, :seqlen].transpose(0, 2, 1)[..., None]
 
 
-def fp8_quantize(x, block=256, hadamard=True, seed=0, *, compute_dtype="float64"):
+def fp8_quantize(x, block=FP8_BLOCK, hadamard=True, seed=0, *, compute_dtype="float64"):
     """NumPy reference of ``cuflash.fp8.quantize``: ``(data, descale)``, data uint8 (batch, seqlen, heads, d)
     e4m3 bit patterns, descale float32 (batch, heads, ceil(seqlen / block)).
 
@@ -1256,7 +1261,7 @@ def fp8_quantize(x, block=256, hadamard=True, seed=0, *, compute_dtype="float64"
     return numpy.ascontiguousarray(data), numpy.ascontiguousarray(descale)
 
 
-def fp8_dequantize(data, descale, block=256, hadamard=True, seed=0):
+def fp8_dequantize(data, descale, block=FP8_BLOCK, hadamard=True, seed=0):
     """float64 x back from ``fp8_quantize``'s / ``cuflash.fp8.quantize``'s output: e4m3 values times their
     group's descale, then the rotation undone (``hadamard_rotate(..., inverse=True)``)."""
     data, descale = _to_numpy(data), _to_numpy(descale)
@@ -1278,7 +1283,8 @@ def _dequantize_e4m3(data, descale, block, dtype):
     return _e4m3_lookup(data, dtype, xp) * per_row
 
 
-def attention_fp8_ref(q_data, k_data, v_data, q_descale, k_descale, v_descale, *, descale_block=(256, 256),
+def attention_fp8_ref(q_data, k_data, v_data, q_descale, k_descale, v_descale, *,
+                      descale_block=(FP8_BLOCK, FP8_BLOCK),
                       causal=False, softmax_scale=None, round_p=False, compute_dtype="float64"):
     """Attention of FP8 inputs as ``flash_attn_func(..., fp8_format="e4m3")`` defines it, on NumPy or CuPy
     arrays: q, k, v dequantised exactly (``e4m3_table`` values times their descale: q_descale (batch, heads,

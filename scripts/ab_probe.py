@@ -167,13 +167,14 @@ def list_variants() -> list:
         for config in fp8_configs(d).values():
             with config():  # (the experiments' calls have 8k rows and 128-key descale blocks: the long-row tiles)
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=fa3.FP8_BLOCK_N))
-    for config in list(fp8_keys_configs().values()) + list(fp8_spec_configs().values()):
+    fp8_wide = fp8_speculative(128, heuristics.FA3_FP8_TILES_WIDE[128])
+    for config in list(fp8_keys_configs().values()) + list(fp8_wide.values()):
         for unmasked in (False, True):
             with config():
                 out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
                                            kv_block=256))
-    for d in (64, 128):  # fp8_spec_long's
-        for config in fp8_spec_long_configs(d).values():
+    for d in (64, 128):  # fp8-spec-long's
+        for config in fp8_speculative(d, fp8_long_tiles(d)).values():
             for unmasked in (False, True):
                 with config():
                     out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
@@ -263,46 +264,30 @@ def fp8_keys_configs():
     return {"128 keys": lambda: fp8_tiles(128, long), "256 keys": lambda: fp8_tiles(128, wide)}
 
 
-def fp8_spec_configs():
-    wide = heuristics.FA3_FP8_TILES_WIDE[128]
-    return {"256 keys": lambda: fp8_tiles(128, dataclasses.replace(wide, speculative_max=False)),
-            "256 keys, speculative max": lambda: fp8_tiles(128, dataclasses.replace(wide, speculative_max=True))}
+def fp8_speculative(d, tiles):
+    """FP8 calls at head dim d take ``tiles`` with the speculative max off and on."""
+    return {"after the max": lambda: fp8_tiles(d, dataclasses.replace(tiles, speculative_max=False)),
+            "speculative max": lambda: fp8_tiles(d, dataclasses.replace(tiles, speculative_max=True))}
 
 
-def fp8_spec(rounds, reps):
-    """FP8 d = 128 on the 256-key tiles, K / V descales per 256 keys, N = 2k ... 16k, causal and not: the
-    exponentials after each tile's max (step) against from the running max (speculate)."""
+def fp8_long_tiles(d):
+    """The tiles FP8 calls with long rows at head dim d take on K / V descale blocks of 128 (d = 128: the
+    128-key long-row tiles, which overlap like bf16 d = 128; d = 64: FA3_FP8_TILES)."""
+    return heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
+
+
+def fp8_spec(headdims, seqlens, kvblock, tiles_of, rounds, reps):
+    """FP8 forward on K / V descales per ``kvblock`` keys, causal and not: the exponentials after each tile's
+    max (step) against from the running max (speculate), on ``tiles_of(d)``."""
     import fp8_probe
 
-    d = 128
-    for n in (2048, 8192, 16384):
-        b, h = 16384 // n, 2048 // d
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
-            interleaved(f"fp8 d={d} N={n} causal={causal} speculative max", fp8_spec_configs(),
-                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=256)[0], flops, rounds, reps)
-
-
-def fp8_spec_long_configs(d):
-    """The tiles FP8 calls at head dim d take on K / V descale blocks of 128 (d = 128: the 128-key long-row
-    tiles; d = 64: FA3_FP8_TILES), with and without the speculative max."""
-    base = heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
-    return {"after the max": lambda: fp8_tiles(d, dataclasses.replace(base, speculative_max=False)),
-            "speculative max": lambda: fp8_tiles(d, dataclasses.replace(base, speculative_max=True))}
-
-
-def fp8_spec_long(rounds, reps):
-    """FP8 d = 64 and 128 on K / V descale blocks of 128 (intra-warpgroup overlap, as bf16 d = 128, which
-    gained with the speculative max): N = 2k and 8k, causal and not."""
-    import fp8_probe
-
-    for d in (64, 128):
-        for n in (2048, 8192):
+    for d in headdims:
+        for n in seqlens:
             b, h = 16384 // n, 2048 // d
             for causal in (False, True):
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                interleaved(f"fp8 d={d} N={n} causal={causal} kv block 128", fp8_spec_long_configs(d),
-                            lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=128)[0], flops, rounds, reps)
+                interleaved(f"fp8 d={d} N={n} causal={causal} kv block {kvblock}", fp8_speculative(d, tiles_of(d)),
+                            lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=kvblock)[0], flops, rounds, reps)
 
 
 def fp8_keys(rounds, reps):
@@ -753,7 +738,8 @@ def main():
             print(v.name)
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
-            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": fp8_spec, "fp8-spec-long": fp8_spec_long, "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
+            "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
