@@ -16,17 +16,17 @@ def inputs(rng, b, sq, sk, h, hkv, d, dtype):
     return rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
 
 
-def rising_maxima_inputs(rng, sq, sk, key_block, late_key):
-    """bf16 q (2, sq, 4, 128), k and v (2, sk, 2, 128) whose row maxima rise more than 2^8-fold after a row's
+def rising_maxima_inputs(rng, sq, sk, key_block, late_key, d=128):
+    """bf16 q (2, sq, 4, d), k and v (2, sk, 2, d) whose row maxima rise more than 2^8-fold after a row's
     first tiles (for the forward's speculative max): keys key_block .. 2 key_block - 1 scaled 4x and the rest
     16x, and key ``late_key`` aligned with the first 16 query rows of each 128-row block (one warp of a
     consumer), ~70 nats above the rest for them."""
     import cupy
 
-    q, k, v = inputs(rng, 2, sq, sk, 4, 2, 128, "bfloat16")
+    q, k, v = inputs(rng, 2, sq, sk, 4, 2, d, "bfloat16")
     growth = cupy.asarray(4.0 ** np.minimum(np.arange(sk) // key_block, 2), dtype=cupy.float32)
     k = (k.astype(cupy.float32) * growth[None, :, None, None]).astype(k.dtype)
-    u = cupy.asarray(rng.standard_normal(128).astype(np.float32))
+    u = cupy.asarray(rng.standard_normal(d).astype(np.float32))
     aligned = q.astype(cupy.float32)
     aligned[:, cupy.asarray((np.arange(sq) % 128) < 16)] += 3 * u
     k[:, late_key] = (2 * u).astype(k.dtype)

@@ -226,6 +226,19 @@ def test_forward_256_key_tiles_where_row_maxima_rise(monkeypatch, causal, specul
     check(data, descales, (128, 256), causal)
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["after-max", "speculative"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_d64_where_row_maxima_rise(monkeypatch, causal, speculative):
+    """d = 64's tiles (speculative in heuristics.FA3_FP8_TILES) on the rising maxima above, with descale
+    blocks of 128 keys (the tiles' width): keys 128-255 scaled 4x, the rest 16x, one late key aligned with
+    one warp's rows, so tiles with the S overlap in flight redo their exponentials."""
+    tiles = heuristics.FA3_FP8_TILES[64]
+    monkeypatch.setitem(heuristics.FA3_FP8_TILES, 64, dataclasses.replace(tiles, speculative_max=speculative))
+    q, k, v = rising_maxima_inputs(np.random.default_rng(), 700, 1500, 128, 1400, d=64)
+    data, descales = quantised(q, k, v, 128, 128, 128)
+    check(data, descales, (128, 128), causal)
+
+
 def test_strided_inputs_and_descales():
     """Every other head of quantised q, k, v (strided views) with the matching, non-contiguous descales."""
     q, k, v = inputs(np.random.default_rng(), 2, 239, 400, 8, 4, 128, "bfloat16")
