@@ -328,7 +328,13 @@ FA3_FP8_LONG_MIN_SEQLEN = 2048
 # descale blocks (blocks of 128 keys) would need a K descale per half (cheap) and V's ratio in the second
 # half's exponent: that version measured 848 at 8k but made ptxas serialise the wgmma (too few registers,
 # NVRTC 13.5), so blocks of 128 keep the 128-key tiles.
+# d = 64 on 256-key tiles too, with neither the intra-warpgroup overlap nor the pingpong (both consumers'
+# softmaxes at once; with the pingpong ptxas serialises the wgmma under NVRTC 13.0, with the overlap it spills
+# 48 bytes): H200 (scripts/ab_probe.py fp8-d64-wide, session 28, 3 rounds, TF/s, the 128-key tiles of
+# FA3_FP8_TILES -> these, blocks of 256): N = 2k 413 -> 462, causal 332 -> 353, 8k 464 -> 572, causal 442 ->
+# 516; with the overlap and pingpong (spilling) 404 / 303 / 454 / 417.
 FA3_FP8_TILES_WIDE = {
+    64: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=False),
     128: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=True),
 }
 

@@ -20,6 +20,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              exponentials after each tile's max against from the running max (SPECULATIVE_MAX)
   fp8-spec-long  FP8 forward d = 64 and 128 on K / V descale blocks of 128 (intra-warpgroup overlap), N = 2k
              and 8k, causal and not: the plain step against the speculative max
+  fp8-d64-wide  FP8 forward d = 64 N = 2k and 8k, causal and not, on K / V descale blocks of 256: the 128-key
+             tiles of FA3_FP8_TILES against FA3_FP8_TILES_WIDE's 256-key ones, and 256-key tiles with the
+             overlap and the pingpong (48 bytes spilled under NVRTC 13.0)
   fp8-scaling  FP8 forward d = 128 N = 8k on descales per 128-row block and per tensor (what the per-block
              V descale's O rescale at every tile costs)
   fp8-d64    FP8 forward d = 64 N = 8k, causal and not: the table's tiles, with the pingpong switched (session
@@ -65,7 +68,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -173,6 +176,9 @@ def list_variants() -> list:
             with config():
                 out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
                                            kv_block=256))
+    for config in fp8_d64_wide_configs().values():
+        with config():
+            out.append(fa3.fwd_variant(64, "bfloat16", fp8=True, long_rows=True, kv_block=256))
     for d in (64, 128):  # fp8-spec-long's
         for config in fp8_speculative(d, fp8_long_tiles(d)).values():
             for unmasked in (False, True):
@@ -288,6 +294,27 @@ def fp8_spec(headdims, seqlens, kvblock, tiles_of, rounds, reps):
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
                 interleaved(f"fp8 d={d} N={n} causal={causal} kv block {kvblock}", fp8_speculative(d, tiles_of(d)),
                             lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=kvblock)[0], flops, rounds, reps)
+
+
+def fp8_d64_wide_configs():
+    wide = heuristics.FA3_FP8_TILES_WIDE[64]
+    return {"128-key tiles": lambda: fp8_tiles(64, heuristics.FA3_FP8_TILES[64]),
+            "256-key tiles": lambda: fp8_tiles(64, wide),
+            "256, overlap + pingpong": lambda: fp8_tiles(64, dataclasses.replace(wide, intra_wg_overlap=True,
+                                                                                 pingpong=True))}
+
+
+def fp8_d64_wide(rounds, reps):
+    import fp8_probe
+
+    d = 64
+    for n in (2048, 8192):
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            interleaved(f"fp8 d={d} N={n} causal={causal} kv block 256", fp8_d64_wide_configs(),
+                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, qblock=256, kvblock=256)[0], flops, rounds,
+                        reps)
 
 
 def fp8_keys(rounds, reps):
@@ -739,7 +766,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
-            "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-d64-wide": fp8_d64_wide, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}

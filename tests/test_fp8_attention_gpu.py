@@ -180,25 +180,27 @@ BLOCKS_256 = [(128, 256, 256), (64, 512, 512), (None, None, None), (128, None, 2
 @pytest.mark.parametrize("blocks", BLOCKS_256, ids=["q{}-k{}-v{}".format(*b) for b in BLOCKS_256])
 @pytest.mark.parametrize("seqlens", SEQLENS_256, ids=[f"sq{a}-sk{b}" for a, b in SEQLENS_256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_forward_256_key_tiles(monkeypatch, causal, seqlens, blocks):
-    """d = 128 on FA3_FP8_TILES_WIDE's 256-key tiles (two V^T atoms per tile, P V through S's registers, no
-    intra-warpgroup overlap) at every length, on K / V descale blocks of 256 and 512 keys and per tensor."""
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_256_key_tiles(monkeypatch, d, causal, seqlens, blocks):
+    """d = 64 and 128 on FA3_FP8_TILES_WIDE's 256-key tiles (two V^T atoms per tile, no intra-warpgroup
+    overlap) at every length, on K / V descale blocks of 256 and 512 keys and per tensor."""
     monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
-    assert fa3.fwd_tiles(128, fp8=True, long_rows=True).block_n == 256
+    assert fa3.fwd_tiles(d, fp8=True, long_rows=True).block_n == 256
     sq, sk = seqlens
-    q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 8, 2, 128, "bfloat16")
+    q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 8, 2, d, "bfloat16")
     data, descales = quantised(q, k, v, *blocks)
     check(data, descales, descale_block(*blocks), causal)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_forward_256_key_tiles_on_blocks_of_very_different_scales(monkeypatch, causal):
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_256_key_tiles_on_blocks_of_very_different_scales(monkeypatch, d, causal):
     """256-key tiles whose V descales are 100x apart from tile to tile (O moves between their units) and whose
     K descales are 9x apart (the row maxima kept in logit units)."""
     import cupy
 
     monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
-    q, k, v = inputs(np.random.default_rng(), 2, 700, 1500, 4, 2, 128, "bfloat16")
+    q, k, v = inputs(np.random.default_rng(), 2, 700, 1500, 4, 2, d, "bfloat16")
     block = np.arange(1500) // 256  # the key's descale block
 
     def scaled(x, factors):
