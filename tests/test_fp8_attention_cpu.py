@@ -561,7 +561,7 @@ def test_float_calls_do_not_take_the_fp8_path(spec_env, monkeypatch):
 
 def test_long_rows_take_the_long_row_tiles():
     """FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take FA3_FP8_TILES_WIDE where it has the head
-    dim and its key tile divides the K/V descale block (d = 128: 256 keys), else FA3_FP8_TILES_LONG where it
+    dim and its key tile divides the K/V descale block (d = 64, 128: 256 keys), else FA3_FP8_TILES_LONG where it
     has the head dim (d = 128: no pingpong), the rest FA3_FP8_TILES; each choice is its own compiled variant."""
     from cuflash import heuristics
 
