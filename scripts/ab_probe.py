@@ -282,18 +282,25 @@ def fp8_long_tiles(d):
     return heuristics.FA3_FP8_TILES_LONG.get(d, heuristics.FA3_FP8_TILES[d])
 
 
+def fp8_shapes(d, seqlens, kvblock, configs, rounds, reps, qblock=128):
+    """``configs`` interleaved on the FP8 forward at head dim d, each length of ``seqlens``, causal and not,
+    Q / K / V descales per ``qblock`` / ``kvblock`` rows."""
+    import fp8_probe
+
+    for n in seqlens:
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            interleaved(f"fp8 d={d} N={n} causal={causal} kv block {kvblock}", configs,
+                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, qblock=qblock, kvblock=kvblock)[0], flops,
+                        rounds, reps)
+
+
 def fp8_spec(headdims, seqlens, kvblock, tiles_of, rounds, reps):
     """FP8 forward on K / V descales per ``kvblock`` keys, causal and not: the exponentials after each tile's
     max (step) against from the running max (speculate), on ``tiles_of(d)``."""
-    import fp8_probe
-
     for d in headdims:
-        for n in seqlens:
-            b, h = 16384 // n, 2048 // d
-            for causal in (False, True):
-                flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                interleaved(f"fp8 d={d} N={n} causal={causal} kv block {kvblock}", fp8_speculative(d, tiles_of(d)),
-                            lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=kvblock)[0], flops, rounds, reps)
+        fp8_shapes(d, seqlens, kvblock, fp8_speculative(d, tiles_of(d)), rounds, reps)
 
 
 def fp8_d64_wide_configs():
@@ -305,28 +312,11 @@ def fp8_d64_wide_configs():
 
 
 def fp8_d64_wide(rounds, reps):
-    import fp8_probe
-
-    d = 64
-    for n in (2048, 8192):
-        b, h = 16384 // n, 2048 // d
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
-            interleaved(f"fp8 d={d} N={n} causal={causal} kv block 256", fp8_d64_wide_configs(),
-                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, qblock=256, kvblock=256)[0], flops, rounds,
-                        reps)
+    fp8_shapes(64, (2048, 8192), 256, fp8_d64_wide_configs(), rounds, reps, qblock=256)
 
 
 def fp8_keys(rounds, reps):
-    import fp8_probe
-
-    d = 128
-    for n in (8192, 16384):
-        b, h = 16384 // n, 2048 // d
-        for causal in (False, True):
-            flops = 4 * b * h * n * n * d / (2 if causal else 1)
-            interleaved(f"fp8 d={d} N={n} causal={causal} kv block 256", fp8_keys_configs(),
-                        lambda: fp8_probe.run(b, n, n, h, h, d, causal, kvblock=256)[0], flops, rounds, reps)
+    fp8_shapes(128, (8192, 16384), 256, fp8_keys_configs(), rounds, reps)
 
 
 def fp8_keys_blocks(rounds, reps):
