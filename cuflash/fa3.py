@@ -84,17 +84,18 @@ def _short_masked(window: tuple[int, int], dims: Dims) -> bool:
 
 def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: bool = False,
               pack_gqa: bool = False, short_masked: bool = False, long_rows: bool = False,
-              kv_block: int | None = None) -> heuristics.Fa3Tiles:
+              kv_block: int | None = None, many_keys: bool = False) -> heuristics.Fa3Tiles:
     """The forward's tiles: for FP8 with long rows (``long_rows``: at least FA3_FP8_LONG_MIN_SEQLEN),
-    FA3_FP8_TILES_WIDE where it has the head dim and its key tile divides the K/V descale block (``kv_block``;
-    None: any; the kernel reads one K and one V descale per tile), else FA3_FP8_TILES_LONG where it has the
-    head dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither
+    FA3_FP8_TILES_WIDE where it has the head dim, its key tile divides the K/V descale block (``kv_block``;
+    None: any; the kernel reads one K and one V descale per tile) and, for its P_SMEM tiles, the keys are at
+    most FA3_FP8_P_SMEM_MAX_SEQLEN_K (``many_keys``: more); else FA3_FP8_TILES_LONG where it has the head
+    dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither
     softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
     _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
     (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         wide = heuristics.FA3_FP8_TILES_WIDE.get(headdim) if long_rows else None
-        if wide is not None and (kv_block is None or kv_block % wide.block_n == 0):
+        if wide is not None and (kv_block is None or kv_block % wide.block_n == 0) and not (wide.p_smem and many_keys):
             return wide
         if long_rows and headdim in heuristics.FA3_FP8_TILES_LONG:
             return heuristics.FA3_FP8_TILES_LONG[headdim]
@@ -104,6 +105,13 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
     if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
         return heuristics.FA3_TILES_UNMASKED[headdim]
     return FA3_TILES[headdim]
+
+
+def fp8_call_kind(dims: Dims, kv_block: int) -> dict:
+    """fwd_tiles' (and fwd_variant's) FP8 arguments for a call of these dims on K/V descale blocks of
+    ``kv_block`` keys."""
+    return dict(long_rows=dims.seqlen_q >= heuristics.FA3_FP8_LONG_MIN_SEQLEN, kv_block=kv_block,
+                many_keys=dims.seqlen_k > heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN_K)
 
 
 def fwd_block_m(tiles: heuristics.Fa3Tiles) -> int:
@@ -119,13 +127,15 @@ def atom_padded(d: int, elem_bytes: int) -> int:
 
 def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = False, pack_gqa: bool = False,
                 fp8: bool = False, unmasked: bool = False, headdim_v: int | None = None,
-                short_masked: bool = False, long_rows: bool = False, kv_block: int | None = None) -> Variant:
+                short_masked: bool = False, long_rows: bool = False, kv_block: int | None = None,
+                many_keys: bool = False) -> Variant:
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, _LONG, _WIDE) and ``dtype`` the
     output's (bf16). ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows;
-    ``long_rows``, ``kv_block``: FP8 with long rows and that K/V descale block (fwd_tiles).
+    ``long_rows``, ``kv_block``, ``many_keys``: FP8 with long rows, that K/V descale block and more keys
+    than FA3_FP8_P_SMEM_MAX_SEQLEN_K (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
     Q and K's head dim's."""
-    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows, kv_block)
+    t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows, kv_block, many_keys)
     headdim_v = headdim if headdim_v is None else headdim_v
     elem = 1 if fp8 else 2
 
@@ -139,6 +149,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     q_bytes, k_bytes = block_m * padded(headdim) * elem, t.block_n * padded(headdim) * elem
     v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
     smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
+    if t.p_smem:  # FP8's P tiles (P_SMEM), 1024-aligned; without them a 16-byte placeholder, in the slack
+        smem += block_m * t.block_n + 1024
     # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
     # sequence's end fall out of the tensor map (not in packed batches); see kernels_cu/fa3/fwd.cu.
     o_bytes = block_m * (headdim if fp8 else padded(headdim_v)) * 2
@@ -156,7 +168,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
            ("CUFLASH_INTRA_WG_OVERLAP", int(t.intra_wg_overlap)), ("CUFLASH_PINGPONG", int(t.pingpong)),
            ("CUFLASH_CONSUMERS", t.consumers), ("CUFLASH_TAIL_SPLIT", int(tail)), ("CUFLASH_SMEM_BYTES", smem))
         + ((("CUFLASH_EXP2_EMU", t.exp2_emu),) if t.exp2_emu else ())
-        + ((("CUFLASH_SPECULATIVE_MAX", 1),) if t.speculative_max else ()),
+        + ((("CUFLASH_SPECULATIVE_MAX", 1),) if t.speculative_max else ())
+        + ((("CUFLASH_P_SMEM", 1),) if t.p_smem else ()),
         threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
 
@@ -244,8 +257,9 @@ def all_variants(arch: str = "sm_90a") -> list[Variant]:
            for unmasked, short_masked in _row_kinds(d)]
     fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
     # (kv_block None: any block, the widest tiles; FP8_BLOCK_N: the blocks the widest tiles do not divide)
-    fp8 = list({fwd_variant(d, "bfloat16", fp8=True, long_rows=long, kv_block=kv): None for d in FP8_HEADDIMS
-                for long in (False, True) for kv in (None, FP8_BLOCK_N)})
+    fp8 = list({fwd_variant(d, "bfloat16", fp8=True, long_rows=long, kv_block=kv, many_keys=many): None
+                for d in FP8_HEADDIMS for long in (False, True) for kv in (None, FP8_BLOCK_N)
+                for many in (False, True)})
     fp8 += [fp8_transpose_variant(d) for d in FP8_HEADDIMS]
     bwd = [bwd_variant(d, dtype, softcap, varlen) for dtype in DTYPE_CODES for d in BWD_HEADDIMS
            for softcap in (False, True) for varlen in (False, True)]
@@ -409,8 +423,8 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
 
     if kv_block % FP8_BLOCK_N:
         raise ValueError(f"the FP8 kernel takes K/V descale blocks of a multiple of {FP8_BLOCK_N} keys; got {kv_block}")
-    long_rows = dims.seqlen_q >= heuristics.FA3_FP8_LONG_MIN_SEQLEN
-    t = fwd_tiles(dims.headdim, fp8=True, long_rows=long_rows, kv_block=kv_block)
+    kind = fp8_call_kind(dims, kv_block)
+    t = fwd_tiles(dims.headdim, fp8=True, **kind)
     keys_padded = -(-dims.seqlen_k // 16) * 16
     vt = cupy.empty((dims.batch, dims.kv_heads, dims.headdim, keys_padded), dtype=cupy.uint8)
     tp = np.zeros(1, FP8_TRANSPOSE_PARAMS)
@@ -420,7 +434,7 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     tp["seqlen_k"], tp["keys_padded"], tp["kv_heads"] = dims.seqlen_k, keys_padded, dims.kv_heads
     launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
 
-    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, long_rows=long_rows, kv_block=kv_block)
+    variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, **kind)
     block_m = fwd_block_m(t)
     map_q, map_k = _tensor_map(q, block_m), _tensor_map(k, t.block_n)
     # V^T (keys, d, kv_heads, batch), innermost first: boxes of 128 keys (one swizzle atom) x d rows, block_n /

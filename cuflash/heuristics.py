@@ -169,6 +169,9 @@ class Fa3Tiles:
     # a tile's exponentials from the running max, its max found alongside (kernels_cu/fa3/fwd.cu
     # SPECULATIVE_MAX; S recomputed in the rare tile where a row's max rises past 2^8)
     speculative_max: bool = False
+    # FP8 with the overlap: P_{n-1} through shared memory and O accumulated by the P V wgmma itself
+    # (kernels_cu/fa3/fwd.cu P_SMEM) instead of P in registers and a fresh accumulator per tile
+    p_smem: bool = False
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per
@@ -333,10 +336,26 @@ FA3_FP8_LONG_MIN_SEQLEN = 2048
 # 48 bytes): H200 (scripts/ab_probe.py fp8-d64-wide, session 28, 3 rounds, TF/s, the 128-key tiles of
 # FA3_FP8_TILES -> these, blocks of 256): N = 2k 413 -> 462, causal 332 -> 353, 8k 464 -> 572, causal 442 ->
 # 516; with the overlap and pingpong (spilling) 404 / 303 / 454 / 417.
+# d = 256 on 128-key tiles with the intra-warpgroup overlap, P_{n-1} through shared memory and O accumulated
+# by the P V wgmma itself (fwd.cu P_SMEM: S 64 + O 128 registers, which with P in registers and a fresh
+# accumulator did not fit), no pingpong. H200 (scripts/ab_probe.py fp8-p-smem, session 29, 3 rounds, TF/s,
+# FA3_FP8_TILES[256] -> these, descale blocks of 256): N = 2k 885 -> 935, causal 730 -> 759, 8k 1018 -> 1151,
+# causal 984 -> 1071, 16k 999 -> 1138, causal 938 -> 1131 (with the pingpong 0-3 % less). The same at d = 128
+# (256 keys) measured level with these tables (no pingpong 855 / 807 / 873 against 859 / 797 / 888 at 8k,
+# causal 8k, 16k) and at d = 64 8-20 % slower: not taken there.
 FA3_FP8_TILES_WIDE = {
     64: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=False),
     128: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=True),
+    256: Fa3Tiles(block_n=128, stages=2, intra_wg_overlap=True, pingpong=False, p_smem=True),
 }
+# P_SMEM tiles keep O in the FP8 wgmma's accumulator, which keeps ~14 bits of what it adds to, so O loses
+# ~2^-15 of itself at every rescale (each K / V descale block: O moves to the next V descale's units). Rows
+# with more keys than this take the fresh-accumulator tiles instead (fwd_tiles' many_keys). H200 (ab_probe
+# fp8-p-smem-decay, session 29: each row's weight on one key near the start, blocks of 256; max |out - ref| /
+# max |ref|, P_SMEM against the fresh accumulator): d = 256 8k 3.5e-3 / 2.1e-3, 32k 6.3e-3 / 1.9e-3, 128k
+# 2.3e-2 / 2.1e-3, 1M 0.16 / 1.7e-3 (d = 64 / 128 alike); per-tensor descales no different from the fresh
+# accumulator's.
+FA3_FP8_P_SMEM_MAX_SEQLEN_K = 16384
 
 FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES, FA3_FP8_TILES_LONG,
                       FA3_FP8_TILES_WIDE)

@@ -179,6 +179,14 @@ def list_variants() -> list:
     for config in fp8_d64_wide_configs().values():
         with config():
             out.append(fa3.fwd_variant(64, "bfloat16", fp8=True, long_rows=True, kv_block=256))
+    for d in (64, 128, 256):  # fp8-p-smem's and fp8-p-smem-decay's (the latter's calls have 3 query rows)
+        for config in list(fp8_p_smem_configs(d).values()):
+            for unmasked in (False, True):
+                for long_rows in (False, True):
+                    for kv_block in (256, fa3.fp8_whole_sequence_kv_block(1 << 20)):
+                        with config():
+                            out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked,
+                                                       long_rows=long_rows, kv_block=kv_block))
     for d in (64, 128):  # fp8-spec-long's
         for config in fp8_speculative(d, fp8_long_tiles(d)).values():
             for unmasked in (False, True):
@@ -313,6 +321,77 @@ def fp8_d64_wide_configs():
 
 def fp8_d64_wide(rounds, reps):
     fp8_shapes(64, (2048, 8192), 256, fp8_d64_wide_configs(), rounds, reps, qblock=256)
+
+
+def fresh_pv_tiles(d):
+    """The tiles FP8 calls with long rows at head dim d take on descale blocks of 256 with each tile's P V in
+    a fresh accumulator (those of rows with many keys): d = 64 / 128 on 256 keys, d = 256 on 128."""
+    return fa3.fwd_tiles(d, fp8=True, long_rows=True, kv_block=256, many_keys=True)
+
+
+def p_smem_tiles(d):
+    """fresh_pv_tiles(d) with the overlap and P through shared memory instead (fwd.cu P_SMEM)."""
+    return dataclasses.replace(fresh_pv_tiles(d), intra_wg_overlap=True, p_smem=True)
+
+
+def fp8_p_smem_configs(d):
+    tiles = p_smem_tiles(d)
+    return {"fresh P V": lambda: fp8_tiles(d, fresh_pv_tiles(d)),
+            "P smem, pingpong": lambda: fp8_tiles(d, dataclasses.replace(tiles, pingpong=True)),
+            "P smem, no pingpong": lambda: fp8_tiles(d, dataclasses.replace(tiles, pingpong=False))}
+
+
+def fp8_p_smem(rounds, reps):
+    """FP8 forward, descale blocks of 256, d = 128 / 256 / 64: the fresh-accumulator tiles against the overlap with P through
+    shared memory and O accumulated by the wgmma (P_SMEM), with and without the pingpong; first each
+    config's error on an odd shape (fp8_probe.check: max |out - ref| of the same bytes)."""
+    import fp8_probe
+
+    for d in (128, 256, 64):
+        for name, config in fp8_p_smem_configs(d).items():
+            with config():
+                print(f"[{name}]", end=" ", flush=True)
+                fp8_probe.check(1, 2051, 2100, 2, 2, d, True, kvblock=256)
+                print(f"[{name}]", end=" ", flush=True)
+                fp8_probe.check(2, 2048, 2304, 2, 1, d, False, kvblock=256)
+        fp8_shapes(d, (2048, 8192, 16384), 256, fp8_p_smem_configs(d), rounds, reps, qblock=256)
+
+
+def fp8_p_smem_decay(rounds, reps):
+    """O's decay through the tensor cores' accumulation (fwd.cu P_SMEM) against the row's length: each query
+    row's weight almost all on one key near the start of sk keys (test_fp8_attention_gpu's
+    test_a_dominant_key_keeps_its_weight_over_a_long_row), descale blocks of 256 (O rescaled every tile by
+    the V ratio) and per tensor; max |out - ref| / max |ref| of the fresh-accumulator tiles and of P_SMEM's."""
+    import cupy
+    import numpy as np
+
+    import cuflash
+    from cuflash import fp8, reference
+
+    for d in (128, 64, 256):
+        for sk in (8192, 32768, 131072, 1 << 20):
+            rng = np.random.default_rng(d)
+            sq, h = 3, 2
+            q, k, v = (cupy.asarray(rng.standard_normal(s, dtype=np.float32)).astype("bfloat16")
+                       for s in ((1, sq, h, d), (1, sk, 1, d), (1, sk, 1, d)))
+            for i in range(sq):
+                for head in range(h):
+                    k[0, 5 + i * h + head, 0] = (q[0, i, head].astype("float32") * 4).astype(k.dtype)
+            for block in (256, None):
+                qd, qs = fp8.quantize(q, block=block, hadamard=True, seed=7)
+                kd, ks = fp8.quantize(k, block=block, hadamard=True, seed=7)
+                vd, vs = fp8.quantize(v, block=block, hadamard=False)
+                blocks = (block or 128, block or 128)
+                o_ref, _ = reference.attention_fp8_ref(qd, kd, vd, qs, ks, vs, descale_block=blocks)
+                o_ref = cupy.asnumpy(cupy.asarray(o_ref)).astype(np.float64)
+                cells = []
+                for name, tiles in (("fresh P V", fresh_pv_tiles(d)), ("P smem", p_smem_tiles(d))):
+                    with fp8_tiles(d, tiles):
+                        out = cuflash.flash_attn_func(qd, kd, vd, q_descale=qs, k_descale=ks, v_descale=vs,
+                                                      fp8_format="e4m3", descale_block=blocks)
+                    o = cupy.asnumpy(out.astype(cupy.float32)).astype(np.float64)
+                    cells.append(f"{name} {np.abs(o - o_ref).max() / np.abs(o_ref).max():.2e}")
+                print(f"decay d={d} sk={sk} block={block}: " + " | ".join(cells), flush=True)
 
 
 def fp8_keys(rounds, reps):
@@ -756,7 +835,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
-            "fp8-d64-wide": fp8_d64_wide, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}

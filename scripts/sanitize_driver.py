@@ -596,15 +596,17 @@ def _fa3_fp8_cases():
     each short); then per-(batch, head) descales with K/V blocks of 256 keys on MQA, one query row, and at
     d = 128 two calls with rows enough for the long-row tiles (heuristics.FA3_FP8_LONG_MIN_SEQLEN), 2051 rows
     against 2100 keys: causal on K/V blocks of 128 (FA3_FP8_TILES_LONG: no pingpong) and not on blocks of 256
-    (FA3_FP8_TILES_WIDE: 256-key tiles, the last one short), and d = 64 causal on blocks of 256 (its 256-key
-    tiles)."""
+    (FA3_FP8_TILES_WIDE: 256-key tiles, the last one short), d = 64 causal on blocks of 256 (its 256-key
+    tiles) and d = 256 both ways on blocks of 256 (its P_SMEM tiles: P through shared memory)."""
     cases = [dict(b=2, sq=sq, sk=sk, h=4, hkv=2, d=d, causal=causal, blocks=(64, 128))
              for d in (64, 128, 256) for causal in (False, True) for sq, sk in ((77, 133), (133, 77))]
     return cases + [dict(b=1, sq=133, sk=300, h=4, hkv=1, d=128, causal=True, blocks=(None, None)),
                     dict(b=2, sq=1, sk=300, h=4, hkv=2, d=256, causal=False, blocks=(128, 256)),
                     dict(b=1, sq=2051, sk=2100, h=1, hkv=1, d=128, causal=True, blocks=(64, 128)),
                     dict(b=1, sq=2051, sk=2100, h=2, hkv=1, d=128, causal=False, blocks=(128, 256)),
-                    dict(b=1, sq=2051, sk=2100, h=2, hkv=1, d=64, causal=True, blocks=(64, 256))]
+                    dict(b=1, sq=2051, sk=2100, h=2, hkv=1, d=64, causal=True, blocks=(64, 256)),
+                    dict(b=1, sq=2051, sk=2100, h=2, hkv=1, d=256, causal=True, blocks=(128, 256)),
+                    dict(b=1, sq=2051, sk=2100, h=2, hkv=2, d=256, causal=False, blocks=(128, 256))]
 
 
 def _describe_fa3_fp8(c):

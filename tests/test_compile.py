@@ -117,13 +117,15 @@ def test_fa3_uses_hopper_hardware(report):
     (128, False, False, False, False, True), (128, True, True, False, False, True), (64, False, False, False, False, True),
     (192, False, False, False, False, False), (256, False, False, False, False, False),
     (256, True, False, True, False, False), (64, False, False, False, True, False),
-    (128, False, False, False, True, False)])
+    (128, False, False, False, True, False), (256, False, False, False, True, "long rows")])
 def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8, unmasked):
     """The FA3 main loop issues S_n = Q K_n^T and O += P_{n-1} V_{n-1}, waits for S_n only
     (WARPGROUP.DEPBAR.LE gsb0, 0x1), computes the softmax (MUFU.EX2) while the P V GEMM runs, and only
     then waits for it (DEPBAR ... 0x0). ptxas is free to hoist that last wait above the exponentials (it
     did while the O rescale followed the wait; the rescale now runs under the next S GEMM), which silently
-    serialises the loop. (FP8 at d = 256 runs without this overlap on purpose: heuristics.FA3_FP8_TILES.)"""
+    serialises the loop. (FP8 at d = 256 runs without this overlap on purpose where its P V goes into a fresh
+    accumulator, heuristics.FA3_FP8_TILES; its long rows take it with P through shared memory: "long rows",
+    FA3_FP8_TILES_WIDE.)"""
     import re
 
     from cuflash import fa3
@@ -132,7 +134,12 @@ def test_fa3_softmax_overlaps_the_pv_gemm(headdim, softcap, varlen, pack, fp8, u
     tool = compile_report.find_tool("nvdisasm")
     if tool is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    cubin = compile_variant(fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack, fp8, unmasked), "sm_90a").cubin
+    if unmasked == "long rows":
+        variant = fa3.fwd_variant(headdim, "bfloat16", fp8=fp8, long_rows=True, kv_block=256)
+        assert "p_smem=1" in variant.name
+    else:
+        variant = fa3.fwd_variant(headdim, "bfloat16", softcap, varlen, pack, fp8, unmasked)
+    cubin = compile_variant(variant, "sm_90a").cubin
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:

@@ -561,7 +561,8 @@ def test_float_calls_do_not_take_the_fp8_path(spec_env, monkeypatch):
 
 def test_long_rows_take_the_long_row_tiles():
     """FP8 calls with at least FA3_FP8_LONG_MIN_SEQLEN query rows take FA3_FP8_TILES_WIDE where it has the head
-    dim and its key tile divides the K/V descale block (d = 64, 128: 256 keys), else FA3_FP8_TILES_LONG where it
+    dim and its key tile divides the K/V descale block (d = 64, 128: 256 keys; d = 256: 128, P through shared
+    memory) -- its P_SMEM tiles only up to FA3_FP8_P_SMEM_MAX_SEQLEN_K keys -- else FA3_FP8_TILES_LONG where it
     has the head dim (d = 128: no pingpong), the rest FA3_FP8_TILES; each choice is its own compiled variant."""
     from cuflash import heuristics
 
@@ -572,12 +573,31 @@ def test_long_rows_take_the_long_row_tiles():
         long = heuristics.FA3_FP8_TILES_LONG.get(d, short)
         wide = heuristics.FA3_FP8_TILES_WIDE.get(d, long)
         for kv_block in (None, 128, 256, 384, 512, 1024):
-            got = fa3.fwd_tiles(d, fp8=True, long_rows=True, kv_block=kv_block)
-            assert got == (wide if kv_block is None or kv_block % wide.block_n == 0 else long), (d, kv_block)
-            assert fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=kv_block).name in compiled
+            for many_keys in (False, True):
+                fits = (kv_block is None or kv_block % wide.block_n == 0) and not (wide.p_smem and many_keys)
+                got = fa3.fwd_tiles(d, fp8=True, long_rows=True, kv_block=kv_block, many_keys=many_keys)
+                assert got == (wide if fits else long), (d, kv_block, many_keys)
+                assert fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=kv_block,
+                                       many_keys=many_keys).name in compiled
         assert fa3.fwd_variant(d, "bfloat16", fp8=True).name in compiled
     assert not heuristics.FA3_FP8_TILES_LONG[128].pingpong and heuristics.FA3_FP8_TILES[128].pingpong
     assert heuristics.FA3_FP8_TILES_WIDE[128].block_n == 256 and not heuristics.FA3_FP8_TILES_WIDE[128].intra_wg_overlap
+    wide_256 = heuristics.FA3_FP8_TILES_WIDE[256]
+    assert wide_256.p_smem and wide_256.intra_wg_overlap and not heuristics.FA3_FP8_TILES[256].p_smem
+
+
+def test_fp8_calls_take_the_p_smem_tiles_up_to_the_key_limit():
+    """fa3.forward_fp8's tiles (fp8_call_kind): d = 256 calls with long rows and FA3_FP8_P_SMEM_MAX_SEQLEN_K keys
+    take the P_SMEM tiles, one key more (O's decay) or short rows the fresh-accumulator ones."""
+    from cuflash import _validate, heuristics
+
+    limit = heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN_K
+    long = heuristics.FA3_FP8_LONG_MIN_SEQLEN
+    for sq, sk, p_smem in ((long, limit, True), (long, limit + 1, False), (long - 1, limit, False), (long, 1, True)):
+        dims = _validate.Dims(1, sq, sk, 2, 2, 256, "bfloat16")
+        kind = fa3.fp8_call_kind(dims, 256)
+        assert fa3.fwd_tiles(256, fp8=True, **kind).p_smem == p_smem, (sq, sk)
+        assert ("p_smem=1" in fa3.fwd_variant(256, "bfloat16", fp8=True, **kind).name) == p_smem
 
 
 def test_a_per_tensor_kv_descale_block_suits_every_fp8_tile():

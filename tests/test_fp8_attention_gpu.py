@@ -180,12 +180,14 @@ BLOCKS_256 = [(128, 256, 256), (64, 512, 512), (None, None, None), (128, None, 2
 @pytest.mark.parametrize("blocks", BLOCKS_256, ids=["q{}-k{}-v{}".format(*b) for b in BLOCKS_256])
 @pytest.mark.parametrize("seqlens", SEQLENS_256, ids=[f"sq{a}-sk{b}" for a, b in SEQLENS_256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_forward_256_key_tiles(monkeypatch, d, causal, seqlens, blocks):
-    """d = 64 and 128 on FA3_FP8_TILES_WIDE's 256-key tiles (two V^T atoms per tile, no intra-warpgroup
-    overlap) at every length, on K / V descale blocks of 256 and 512 keys and per tensor."""
+    """FA3_FP8_TILES_WIDE's tiles at every length, on K / V descale blocks of 256 and 512 keys and per tensor:
+    d = 64 and 128 on 256 keys (two V^T atoms per tile, no intra-warpgroup overlap), d = 256 on 128 with the
+    overlap and P through shared memory (fwd.cu P_SMEM)."""
     monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
-    assert fa3.fwd_tiles(d, fp8=True, long_rows=True).block_n == 256
+    tiles = fa3.fwd_tiles(d, fp8=True, long_rows=True)
+    assert tiles.block_n == 256 or tiles.p_smem
     sq, sk = seqlens
     q, k, v = inputs(np.random.default_rng(), 2, sq, sk, 8, 2, d, "bfloat16")
     data, descales = quantised(q, k, v, *blocks)
@@ -193,10 +195,10 @@ def test_forward_256_key_tiles(monkeypatch, d, causal, seqlens, blocks):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_forward_256_key_tiles_on_blocks_of_very_different_scales(monkeypatch, d, causal):
-    """256-key tiles whose V descales are 100x apart from tile to tile (O moves between their units) and whose
-    K descales are 9x apart (the row maxima kept in logit units)."""
+    """FA3_FP8_TILES_WIDE's tiles (d = 256: P_SMEM's) on V descales 100x apart from block to block (O moves
+    between their units) and K descales 9x apart (the row maxima kept in logit units)."""
     import cupy
 
     monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
@@ -306,6 +308,29 @@ def test_a_dominant_key_keeps_its_weight_over_a_long_row(d, per_tensor):
     # measured 1.5e-2 at d = 64): the aligned keys' bound.
     lse_atol = max(ATOL, 2 * ref.fp8_score_error_bound(*data[:2], *descales[:2], descale_block=blocks))
     ref.check_close("fp8 lse", lse, lse_ref, lse_ref, atol=lse_atol)
+
+
+@pytest.mark.parametrize("many_keys", [False, True], ids=["at-the-limit", "past-it"])
+def test_a_dominant_key_keeps_its_weight_on_the_p_smem_tiles(monkeypatch, many_keys):
+    """d = 256's P_SMEM tiles keep O in the FP8 wgmma's accumulator, which loses ~2^-15 of O at every V
+    descale block: the longest rows they take (FA3_FP8_P_SMEM_MAX_SEQLEN_K keys, blocks of 256) must still
+    hold a dominant key's weight within the FP8 bound, and one key more takes the fresh accumulator (its
+    2^20-key row: test_a_dominant_key_keeps_its_weight_over_a_long_row)."""
+    monkeypatch.setattr(heuristics, "FA3_FP8_LONG_MIN_SEQLEN", 1)
+    sk = heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN_K + many_keys
+    d, sq, h = 256, 3, 2
+    dims = fa3.Dims(1, sq, sk, h, 1, d, "bfloat16")
+    assert fa3.fwd_tiles(d, fp8=True, **fa3.fp8_call_kind(dims, 256)).p_smem != many_keys
+    q, k, v = inputs(np.random.default_rng(d), 1, sq, sk, h, 1, d, "bfloat16")
+    for i in range(sq):
+        for head in range(h):
+            k[0, 5 + i * h + head, 0] = (q[0, i, head].astype("float32") * 4).astype(k.dtype)
+    data, descales = quantised(q, k, v, 256, 256, 256)
+    out = cuflash.flash_attn_func(*data, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                                  fp8_format="e4m3", descale_block=(256, 256))
+    o_ref, _ = ref.attention_fp8_ref(*data, *descales, descale_block=(256, 256))
+    o_model, _ = ref.attention_fp8_ref(*data, *descales, descale_block=(256, 256), round_p=True)
+    ref.check_close("fp8 out", out, o_ref, ref._round_to(o_model, "bfloat16"), atol=ATOL)
 
 
 # ----------------------------------------------------------------------------------------------------

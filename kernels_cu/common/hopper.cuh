@@ -108,6 +108,15 @@ __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy
 // Ordinary shared-memory stores read next by TMA or wgmma need this fence in the writing threads.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
+// stmatrix.x4: four 8x8 b16 matrices from registers to shared memory; register i of every lane holds row
+// lane / 4, columns 2 (lane % 4) .. + 1 of matrix i (ldmatrix's layout) and lanes 8i .. 8i + 7 give the row
+// addresses of matrix i (16 bytes each, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+                 "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Warp specialisation: register budgets per warpgroup, and named barriers between warpgroups.
 

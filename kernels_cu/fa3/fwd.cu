@@ -33,13 +33,16 @@
 // runs alone on its sub-partitions under the pingpong, and its fixed costs (the row maxima's chains and
 // shuffles, the GEMM waits, O's FFMA) spread over twice the keys. A tile has one K and one V descale: K / V
 // descale blocks are whole tiles (cuflash/fa3.py picks 128-key tiles for blocks that 256 does not divide).
+// Long rows at d = 256 with at most heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN_K keys take the overlap instead,
+// with P through shared memory and O in the wgmma's accumulator (P_SMEM below): faster, at the cost of the
+// decay over many keys.
 //
 // Compile-time constants (cuflash/fa3.py): CUFLASH_HEADDIM (64, 96, 128, 192, 256), CUFLASH_HEADDIM_V (of V
 // and O when it differs: fa3.FWD_HEADDIM_V), CUFLASH_BLOCK_N, CUFLASH_CONSUMERS (2, 3),
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
 // CUFLASH_TAIL_SPLIT (0/1: the stream-K tail of calls without a mask),
-// CUFLASH_PINGPONG (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
+// CUFLASH_PINGPONG (0/1), CUFLASH_P_SMEM (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
 // the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a probe asks).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
@@ -142,6 +145,18 @@ constexpr int PV_STEPS = BN * ELEM_BYTES / 32;   // k-steps of O += P V (16 or 3
 // (S, P, O and P V fit: 64 + 16 + 64 + 64 registers at d = 128); without it it is S's registers, idle then,
 // taking PV_N of O's columns at a time (d = 256: BN = 128 of its 256; d = 128 with 256-key tiles: all 128).
 constexpr int PV_N = BN < OD ? BN : OD;
+#ifndef CUFLASH_P_SMEM
+#define CUFLASH_P_SMEM 0
+#endif
+// FP8 with the overlap, P_SMEM: P_{n-1} goes to shared memory (its A fragments, by stmatrix) and O += P V
+// reads it there into O itself, as bf16 accumulates: no P registers and no fresh accumulator live through
+// the softmax of S_n, so 256-key tiles at d = 128 keep S and O only (128 + 64 registers; with P and the fresh
+// accumulator in registers ptxas serialised the wgmma). The price is the long-row decay the fresh
+// accumulator avoids (top comment): O passes through the tensor cores' ~14-bit accumulation every tile, so
+// cuflash/fa3.py takes these tiles for rows of at most heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN keys.
+constexpr bool P_SMEM = CUFLASH_P_SMEM;
+static_assert(!P_SMEM || (FP8 && INTRA_WG_OVERLAP), "P through shared memory: FP8 with the overlap");
+constexpr bool FRESH_PV = FP8 && !P_SMEM;  // FP8: each tile's P V in a fresh accumulator, added to O in fp32
 static_assert(!FP8 || INTRA_WG_OVERLAP || OD % PV_N == 0, "FP8 without the overlap: P V in parts of PV_N columns");
 static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the block size");
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
@@ -152,6 +167,8 @@ struct Smem {
     alignas(1024) unsigned char v[STAGES][V_BYTES];    // as k; FP8: [D][BN keys]
     // per consumer: O_ATOMS atoms of [64][64]; without the TMA store a 16-byte placeholder
     alignas(STORE_O_TMA ? 1024 : 16) unsigned char o[STORE_O_TMA ? O_BYTES : 16];
+    // P_SMEM: per consumer, P_{n-1} as BN / 128 atoms of [64 rows][128 bytes] (K-major, 128-byte swizzle)
+    alignas(P_SMEM ? 1024 : 16) unsigned char p[P_SMEM ? CONSUMERS * 64 * BN : 16];
     u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.
@@ -223,6 +240,29 @@ __device__ __forceinline__ void pv_into_o(float (&o)[OD / 2], float (&sc)[BN / 2
         wgmma_fence_regs(acc);
         add_to_o<PV_N>(o, acc, alpha, part * PV_N / 2);
     }
+}
+
+// P_SMEM: O += P V with P from the consumer's P tile (written by store_p), V^T as issue_pv reads it.
+__device__ __forceinline__ void issue_pv_smem(float (&o)[OD / 2], const unsigned char* p_tile, const unsigned char* v) {
+#if CUFLASH_P_SMEM  // (FP8 wgmma shapes exist for the FP8 head dims only)
+    wgmma_abt_kmajor<OD, PV_STEPS, true>(o, p_tile, 64 * 128, v, D * 128, true);
+#endif
+}
+
+// P_SMEM: this warp's 16 rows of P (its A fragments) into the consumer's P tile, one stmatrix.x4 per k-step
+// (matrices: rows 0-7 / 8-15 of the warp's, bytes 0-15 / 16-31 of the k-step: the fragment's registers 0-3),
+// then fenced for the async proxy. Each warp's part of the P V wgmma reads its own rows only, so the warp's
+// own order suffices (FlashAttention-3 syncs the warp alike); its previous P V is waited for before.
+__device__ __forceinline__ void store_p(const u32 (&pv_a)[PV_STEPS][4], unsigned char* p_tile, int w, int lane) {
+    const int m = lane / 8, row = 16 * w + lane % 8 + 8 * (m & 1);
+    const u32 row_addr = smem_u32(p_tile) + row * 128;
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) {
+        const int byte = 32 * kk + 16 * (m >> 1);  // of the row's BN keys
+        stmatrix_x4(row_addr + byte / 128 * 64 * 128 + ((byte % 128 / 16) ^ (row % 8)) * 16, pv_a[kk]);
+    }
+    fence_async_smem();
+    __syncwarp();
 }
 
 // P_n (fp32, accumulator layout) -> the A fragments of O += P V.
@@ -654,6 +694,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
+    unsigned char* p_tile = sm.p + c * 64 * BN;          // (P_SMEM)
 
     float o[OD / 2];
     float sc[BN / 2];        // S_n, then P_n in fp32 (accumulator layout)
@@ -704,7 +745,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // FP8 with the overlap: the fresh accumulator of P_{n-1} V_{n-1} and the alpha it joins O with.
         float pv[OD / 2];
         float pv_alpha[2] = {1.f, 1.f};
-        if constexpr (FP8 && INTRA_WG_OVERLAP) {
+        if constexpr (FRESH_PV && INTRA_WG_OVERLAP) {
 #pragma unroll
             for (int j = 0; j < OD / 2; ++j) pv[j] = 0.f;
         }
@@ -724,6 +765,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, row_scale,
                          tile_scale);
             pack_p(sc, pv_a);
+            if constexpr (P_SMEM) store_p(pv_a, p_tile, w, lane);
         }
 
         for (int n = n_lo + 1; n < n_hi; ++n) {
@@ -734,12 +776,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if constexpr (INTRA_WG_OVERLAP) {
                 issue_qk(sc, q_rows, sm.k[s]);
                 // under S_n: O is idle until P_{n-1} V_{n-1} is issued
-                if constexpr (FP8) {
+                if constexpr (FRESH_PV) {
                     add_to_o<OD>(o, pv, pv_alpha, 0);  // P_{n-2} V_{n-2}
                     issue_pv<OD>(pv, pv_a, sm.v[s_prev]);
                 } else {
                     if (rescale) softmax.rescale(o);
-                    issue_pv<OD>(o, pv_a, sm.v[s_prev]);
+                    if constexpr (P_SMEM)
+                        issue_pv_smem(o, p_tile, sm.v[s_prev]);
+                    else
+                        issue_pv<OD>(o, pv_a, sm.v[s_prev]);
                 }
             } else {  // P_{n-1} V_{n-1} finishes before S_n takes its registers
                 if constexpr (FP8) {
@@ -759,7 +804,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
             wgmma_wait<INTRA_WG_OVERLAP ? 1 : 0>();  // S_n is done; P_{n-1} V_{n-1} may still run
             wgmma_fence_regs(sc);
-            if constexpr (FP8) {  // P_{n-1} V_{n-1}'s alpha, before step n replaces it
+            if constexpr (FRESH_PV) {  // P_{n-1} V_{n-1}'s alpha, before step n replaces it
                 pv_alpha[0] = softmax.alpha[0];
                 pv_alpha[1] = softmax.alpha[1];
             }
@@ -794,12 +839,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // (wgmma.wait_group is .aligned: a wait inside a per-warp rescale branch is what
             // compute-sanitizer's synccheck flagged).
             wgmma_wait<0>();
-            if constexpr (FP8)
+            if constexpr (FRESH_PV)
                 wgmma_fence_regs(pv);
             else
                 wgmma_fence_regs(o);
             if (lane == 0) mbar_arrive(&sm.v_empty[s_prev]);
             pack_p(sc, pv_a);
+            if constexpr (P_SMEM) store_p(pv_a, p_tile, w, lane);  // (P_{n-1} V_{n-1} has read the tile)
             ++i;
         }
 
@@ -808,9 +854,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const int s = i % STAGES;
             wait_my_turn(c);
             mbar_wait(&sm.v_full[s], (i / STAGES) & 1);
-            if constexpr (!FP8) {
+            if constexpr (!FRESH_PV) {
                 if (rescale) softmax.rescale(o);
-                issue_pv<OD>(o, pv_a, sm.v[s]);
+                if constexpr (P_SMEM)
+                    issue_pv_smem(o, p_tile, sm.v[s]);
+                else
+                    issue_pv<OD>(o, pv_a, sm.v[s]);
                 pass_the_turn(c);
                 wgmma_wait<0>();
                 wgmma_fence_regs(o);
