@@ -187,6 +187,11 @@ def list_variants() -> list:
                         with config():
                             out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked,
                                                        long_rows=long_rows, kv_block=kv_block))
+    for d in (64, 128):  # fp8-3wg's
+        for config in fp8_3wg_configs(d).values():
+            for unmasked in (False, True):
+                with config():
+                    out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True, kv_block=256))
     for d in (64, 128):  # fp8-spec-long's
         for config in fp8_speculative(d, fp8_long_tiles(d)).values():
             for unmasked in (False, True):
@@ -392,6 +397,34 @@ def fp8_p_smem_decay(rounds, reps):
                     o = cupy.asnumpy(out.astype(cupy.float32)).astype(np.float64)
                     cells.append(f"{name} {np.abs(o - o_ref).max() / np.abs(o_ref).max():.2e}")
                 print(f"decay d={d} sk={sk} block={block}: " + " | ".join(cells), flush=True)
+
+
+def fp8_3wg_configs(d):
+    """FA3_FP8_TILES_WIDE's tiles at head dim d against three consumer warpgroups (192 query rows, 160
+    registers each) on 128-key tiles with the overlap and P through shared memory (S 64 + O 64 registers at
+    d = 128), with and without the pingpong, and (d = 128) three stages."""
+    tiles = heuristics.Fa3Tiles(block_n=128, stages=2, consumers=3, intra_wg_overlap=True, p_smem=True)
+    configs = {"table": lambda: fp8_tiles(d, heuristics.FA3_FP8_TILES_WIDE[d]),
+               "3wg P smem, pingpong": lambda: fp8_tiles(d, tiles),
+               "3wg P smem, no pingpong": lambda: fp8_tiles(d, dataclasses.replace(tiles, pingpong=False))}
+    if d == 128:
+        configs["3wg P smem, no pingpong, 3 stages"] = lambda: fp8_tiles(
+            d, dataclasses.replace(tiles, pingpong=False, stages=3))
+    return configs
+
+
+def fp8_3wg(rounds, reps):
+    """FP8 forward, descale blocks of 256, d = 128 / 64: fp8_3wg_configs, after each config's error on odd
+    shapes (fp8_probe.check)."""
+    import fp8_probe
+
+    for d in (128, 64):
+        for name, config in fp8_3wg_configs(d).items():
+            with config():
+                for causal, sq, sk in ((True, 2051, 2100), (False, 2048, 2304)):
+                    print(f"[{name}]", end=" ", flush=True)
+                    fp8_probe.check(1, sq, sk, 2, 1, d, causal, kvblock=256)
+        fp8_shapes(d, (2048, 8192, 16384), 256, fp8_3wg_configs(d), rounds, reps, qblock=256)
 
 
 def fp8_keys(rounds, reps):
@@ -835,7 +868,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
-            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
