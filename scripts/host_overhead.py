@@ -1,7 +1,7 @@
 """Host-side cost of one cuflash call: Python time per call (the launch is asynchronous, so a loop of
 calls without synchronising measures the host path alone), per implementation, the decode call's split
-into Python and launches, a planned decode step (plan_kvcache / run), and a cProfile of the FA3 forward's
-and of the decode call's host paths. Small shapes, so the GPU never holds the loop back.
+into Python and launches, a planned decode step (plan_kvcache / run), the FP8 forward, and a cProfile of
+the FA3 forward's, the FP8 forward's and the decode call's host paths. Small shapes, so the GPU never holds the loop back.
 
     python scripts/host_overhead.py [--calls 2000] [--top 18]
 """
@@ -14,6 +14,7 @@ import cupy
 import numpy as np
 
 import cuflash
+from cuflash import fp8
 from cuflash.api import kvcache_num_splits, kvcache_workspace_bytes
 
 
@@ -86,9 +87,16 @@ def main():
     plan = cuflash.plan_kvcache(kq, kc, vc, cache_seqlens=seqlens, out=kout)
     print(f"decode plan.run (the same call, planned once): "
           f"{per_call_us(lambda: plan.run(kq, kc, vc, cache_seqlens=seqlens, out=kout), args.calls):6.1f} us per call")
+    # FP8 (the fp8 suite's call: e4m3 bytes from cuflash.fp8.quantize with their descales, blocks of 256)
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize(x, hadamard=False) for x in (q, k, v))
+
+    def fp8_call():
+        return cuflash.flash_attn_func(q8, k8, v8, q_descale=qs, k_descale=ks, v_descale=vs, fp8_format="e4m3",
+                                       causal=True)
+    print(f"fp8 forward: {per_call_us(fp8_call, args.calls):6.1f} us per call (host)")
     impl = cuflash.available_impls("forward")[-1]
     for name, fn in ((f"{impl} forward", lambda: cuflash.flash_attn_func(q, k, v, causal=True, impl=impl)),
-                     ("decode", decode_call)):
+                     ("fp8 forward", fp8_call), ("decode", decode_call)):
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
