@@ -187,6 +187,10 @@ def list_variants() -> list:
                         with config():
                             out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked,
                                                        long_rows=long_rows, kv_block=kv_block))
+    for config in fp8_d128_p_smem_configs().values():  # fp8-d128-p-smem's
+        for unmasked in (False, True):
+            with config():
+                out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True, kv_block=256))
     for d in (64, 128):  # fp8-3wg's
         for config in fp8_3wg_configs(d).values():
             for unmasked in (False, True):
@@ -397,6 +401,23 @@ def fp8_p_smem_decay(rounds, reps):
                     o = cupy.asnumpy(out.astype(cupy.float32)).astype(np.float64)
                     cells.append(f"{name} {np.abs(o - o_ref).max() / np.abs(o_ref).max():.2e}")
                 print(f"decay d={d} sk={sk} block={block}: " + " | ".join(cells), flush=True)
+
+
+def fp8_d128_p_smem_configs():
+    """FP8 d = 128's 256-key tiles (the table's) against P_SMEM's overlap without the pingpong (level with the
+    table in fp8-p-smem) and what its spare registers allow: the speculative max (with and without the
+    pingpong) and one column group in 8 or 4 of exponentials on the FMA pipe."""
+    tiles = dataclasses.replace(p_smem_tiles(128), pingpong=False)
+    return {"table": lambda: fp8_tiles(128, heuristics.FA3_FP8_TILES_WIDE[128]),
+            "P smem": lambda: fp8_tiles(128, tiles),
+            "P smem spec": lambda: fp8_tiles(128, dataclasses.replace(tiles, speculative_max=True)),
+            "P smem spec pp": lambda: fp8_tiles(128, dataclasses.replace(tiles, speculative_max=True, pingpong=True)),
+            "P smem emu 8": lambda: fp8_tiles(128, dataclasses.replace(tiles, exp2_emu=8)),
+            "P smem emu 4": lambda: fp8_tiles(128, dataclasses.replace(tiles, exp2_emu=4))}
+
+
+def fp8_d128_p_smem(rounds, reps):
+    fp8_shapes(128, (2048, 8192, 16384), 256, fp8_d128_p_smem_configs(), rounds, reps, qblock=256)
 
 
 def fp8_3wg_configs(d):
@@ -868,7 +889,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
-            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
