@@ -6,6 +6,7 @@ benchmark shapes (16k tokens, hidden 2048) next to the bf16 FA3 kernel. Bypasses
                                 [--tiles 128:128:3:0[:0],...]   # d:block_n:stages:intra_wg_overlap[:pingpong]
     python scripts/fp8_probe.py --profile 128:8192:0             # one call between cudaProfilerStart/Stop
                                                                  # (scripts/ncu_profile.sh, case fa3fp8:...)
+    python scripts/fp8_probe.py --profile-cudnn 128:8192:0       # cuDNN's FP8 attention alike (case cudnnfp8:...)
 """
 import argparse
 
@@ -65,13 +66,26 @@ def perf(d, n, causal, reps, peer=True, kvblock=128):
     print(line, flush=True)
 
 
-def profile_once(spec: str) -> None:
+def cudnn_call(d, n, causal):
+    """The fp8 suite's cuDNN FP8 peer (cuflash.bench's cudnn-fp8: graph.sdpa_fp8, per-tensor descales) at the
+    benchmark shape (needs torch and nvidia-cudnn-frontend)."""
+    from cuflash import bench
+
+    shape = bench.Shape(16384 // n, 2048 // d, 2048 // d, n, n, d, causal)
+    return bench.PEERS["cudnn-fp8"](bench.Fp8Case(shape, "bf16")).fn
+
+
+def profile_once(spec: str, peer: bool = False) -> None:
     """d:N:causal at the benchmark shape and the fp8 suite's descale blocks: compile and warm up with two calls,
-    then exactly one call between cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off)."""
+    then exactly one call between cudaProfilerStart and cudaProfilerStop (ncu --profile-from-start off).
+    ``peer``: cuDNN's FP8 attention instead (cudnn_call)."""
     from cupy_backends.cuda.api import runtime
 
     d, n, causal = (int(x) for x in spec.split(":"))
-    call, *_ = run(16384 // n, n, n, 2048 // d, 2048 // d, d, bool(causal), qblock=FP8_BLOCK, kvblock=FP8_BLOCK)
+    if peer:
+        call = cudnn_call(d, n, bool(causal))
+    else:
+        call, *_ = run(16384 // n, n, n, 2048 // d, 2048 // d, d, bool(causal), qblock=FP8_BLOCK, kvblock=FP8_BLOCK)
     for _ in range(2):
         call()
     cupy.cuda.Device().synchronize()
@@ -94,6 +108,7 @@ def main():
     ap.add_argument("--tiles", default="",
                     help="d:block_n:stages:overlap[:pingpong],... replacing FA3_FP8_TILES entries")
     ap.add_argument("--profile", default=None, help="d:N:causal: one profiled call only (under ncu)")
+    ap.add_argument("--profile-cudnn", default=None, help="d:N:causal: the same for cuDNN's FP8 attention")
     args = ap.parse_args()
     for spec in filter(None, args.tiles.split(",")):
         fields = [int(x) for x in spec.split(":")]
@@ -101,8 +116,8 @@ def main():
         pingpong = fields[4] if len(fields) > 4 else 1
         heuristics.FA3_FP8_TILES[d] = heuristics.Fa3Tiles(block_n, stages, bool(overlap), bool(pingpong))
         print("tiles", d, heuristics.FA3_FP8_TILES[d])
-    if args.profile:
-        profile_once(args.profile)
+    if args.profile or args.profile_cudnn:
+        profile_once(args.profile or args.profile_cudnn, peer=bool(args.profile_cudnn))
         return
     for d in [] if args.no_check else args.headdims:
         for causal in (False, True):

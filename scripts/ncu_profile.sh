@@ -8,7 +8,8 @@
 # A case is impl:direction:headdim:seqlen:causal at the FlashAttention benchmark shape (16k tokens, hidden
 # 2048: batch = 16384 / seqlen, heads = 2048 / headdim), bf16. Each runs scripts/iomodel_ncu.py's driver,
 # which compiles and warms up, then brackets exactly one call with cudaProfilerStart/Stop. impl "fa3fp8"
-# (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile; "torch-flash" and
+# (direction forward) is the FP8 forward on e4m3 inputs, driven by scripts/fp8_probe.py --profile, and "cudnnfp8"
+# cuDNN's FP8 attention (the fp8 suite's peer; nvidia-cudnn-frontend, e.g. from .whl); "torch-flash" and
 # "torch-cudnn" are torch SDPA with that backend (the peers, for instruction counts beside ours). The clocks are
 # left alone (--clock-control none, as the device notes ask). Full reports go to $OUT/ncu-<case>.txt (with
 # SourceCounters: the SASS lines where warps stall most); the summary lines (duration, SM and memory
@@ -32,6 +33,8 @@ for case in $CASES; do
   echo "=== $case (batch $batch, heads $heads)"
   if [ "$impl" = fa3fp8 ]; then
     driver=(python3 scripts/fp8_probe.py --profile "$d:$n:$causal")
+  elif [ "$impl" = cudnnfp8 ]; then
+    driver=(python3 scripts/fp8_probe.py --profile-cudnn "$d:$n:$causal")
   else
     driver=(python3 scripts/iomodel_ncu.py --driver --impl "$impl" --direction "$direction" --headdim "$d"
             --seqlen "$n" --batch "$batch" --heads "$heads" "${mask[@]}")
