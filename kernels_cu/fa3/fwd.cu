@@ -42,8 +42,9 @@
 // CUFLASH_STAGES, CUFLASH_DTYPE (of O; of Q, K, V too unless FP8), CUFLASH_SOFTCAP (0/1), CUFLASH_VARLEN
 // (0/1), CUFLASH_STORE_O_TMA (0/1), CUFLASH_PACK_GQA (0/1), CUFLASH_FP8 (0/1), CUFLASH_INTRA_WG_OVERLAP (0/1),
 // CUFLASH_TAIL_SPLIT (0/1: the stream-K tail of calls without a mask),
-// CUFLASH_PINGPONG (0/1), CUFLASH_P_SMEM (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one column group in k on
-// the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a probe asks).
+// CUFLASH_PINGPONG (0/1), CUFLASH_P_SMEM (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one
+// column group in k on the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a
+// probe asks).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/poly_exp2.cuh"
@@ -150,10 +151,11 @@ constexpr int PV_N = BN < OD ? BN : OD;
 #endif
 // FP8 with the overlap, P_SMEM: P_{n-1} goes to shared memory (its A fragments, by stmatrix) and O += P V
 // reads it there into O itself, as bf16 accumulates: no P registers and no fresh accumulator live through
-// the softmax of S_n, so 256-key tiles at d = 128 keep S and O only (128 + 64 registers; with P and the fresh
-// accumulator in registers ptxas serialised the wgmma). The price is the long-row decay the fresh
-// accumulator avoids (top comment): O passes through the tensor cores' ~14-bit accumulation every tile, so
-// cuflash/fa3.py takes these tiles for rows of at most heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN keys.
+// the softmax of S_n, only S and O (d = 256 on 128 keys: 64 + 128 registers, where P and the fresh
+// accumulator beside them did not fit; d = 128 on 256 keys: 128 + 64, measured level with its no-overlap
+// tiles). The price is the long-row decay the fresh accumulator avoids (top comment): O passes through the
+// tensor cores' ~14-bit accumulation every tile, so cuflash/fa3.py takes these tiles for rows of at most
+// heuristics.FA3_FP8_P_SMEM_MAX_SEQLEN_K keys.
 constexpr bool P_SMEM = CUFLASH_P_SMEM;
 static_assert(!P_SMEM || (FP8 && INTRA_WG_OVERLAP), "P through shared memory: FP8 with the overlap");
 constexpr bool FRESH_PV = FP8 && !P_SMEM;  // FP8: each tile's P V in a fresh accumulator, added to O in fp32
