@@ -179,20 +179,10 @@ def list_variants() -> list:
     for config in fp8_d64_wide_configs().values():
         with config():
             out.append(fa3.fwd_variant(64, "bfloat16", fp8=True, long_rows=True, kv_block=256))
-    for d in (64, 128, 256):  # fp8-p-smem's and fp8-p-smem-decay's (the latter's calls have 3 query rows)
-        for config in list(fp8_p_smem_configs(d).values()):
-            for unmasked in (False, True):
-                for long_rows in (False, True):
-                    for kv_block in (256, fa3.fp8_whole_sequence_kv_block(1 << 20)):
-                        with config():
-                            out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked,
-                                                       long_rows=long_rows, kv_block=kv_block))
-    for config in fp8_d128_p_smem_configs().values():  # fp8-d128-p-smem's
-        for unmasked in (False, True):
-            with config():
-                out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True, kv_block=256))
-    for d in (64, 128):  # fp8-3wg's
-        for config in fp8_3wg_configs(d).values():
+    # fp8-p-smem's and fp8-p-smem-decay's, fp8-d128-p-smem's, fp8-3wg's (fp8_tiles: whatever the rows and blocks)
+    for d, configs in ([(d, fp8_p_smem_configs(d)) for d in (64, 128, 256)] + [(128, fp8_d128_p_smem_configs())]
+                       + [(d, fp8_3wg_configs(d)) for d in (64, 128)]):
+        for config in configs.values():
             for unmasked in (False, True):
                 with config():
                     out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True, kv_block=256))
@@ -350,20 +340,25 @@ def fp8_p_smem_configs(d):
             "P smem, no pingpong": lambda: fp8_tiles(d, dataclasses.replace(tiles, pingpong=False))}
 
 
-def fp8_p_smem(rounds, reps):
-    """FP8 forward, descale blocks of 256, d = 128 / 256 / 64: the fresh-accumulator tiles against the overlap with P through
-    shared memory and O accumulated by the wgmma (P_SMEM), with and without the pingpong; first each
-    config's error on an odd shape (fp8_probe.check: max |out - ref| of the same bytes)."""
+def fp8_checked_shapes(d, configs_of, checks, rounds, reps):
+    """Each config of ``configs_of(d)``'s error on ``checks`` ((b, sq, sk, h, hkv, causal) calls; fp8_probe.check:
+    max |out - ref| of the same bytes, K / V blocks of 256), then fp8_shapes over N = 2k, 8k, 16k."""
     import fp8_probe
 
+    for name, config in configs_of(d).items():
+        with config():
+            for b, sq, sk, h, hkv, causal in checks:
+                print(f"[{name}]", end=" ", flush=True)
+                fp8_probe.check(b, sq, sk, h, hkv, d, causal, kvblock=256)
+    fp8_shapes(d, (2048, 8192, 16384), 256, configs_of(d), rounds, reps, qblock=256)
+
+
+def fp8_p_smem(rounds, reps):
+    """FP8 forward, descale blocks of 256, d = 128 / 256 / 64: the fresh-accumulator tiles against the overlap
+    with P through shared memory and O accumulated by the wgmma (P_SMEM), with and without the pingpong."""
     for d in (128, 256, 64):
-        for name, config in fp8_p_smem_configs(d).items():
-            with config():
-                print(f"[{name}]", end=" ", flush=True)
-                fp8_probe.check(1, 2051, 2100, 2, 2, d, True, kvblock=256)
-                print(f"[{name}]", end=" ", flush=True)
-                fp8_probe.check(2, 2048, 2304, 2, 1, d, False, kvblock=256)
-        fp8_shapes(d, (2048, 8192, 16384), 256, fp8_p_smem_configs(d), rounds, reps, qblock=256)
+        fp8_checked_shapes(d, fp8_p_smem_configs, ((1, 2051, 2100, 2, 2, True), (2, 2048, 2304, 2, 1, False)),
+                           rounds, reps)
 
 
 def fp8_p_smem_decay(rounds, reps):
@@ -435,17 +430,10 @@ def fp8_3wg_configs(d):
 
 
 def fp8_3wg(rounds, reps):
-    """FP8 forward, descale blocks of 256, d = 128 / 64: fp8_3wg_configs, after each config's error on odd
-    shapes (fp8_probe.check)."""
-    import fp8_probe
-
+    """FP8 forward, descale blocks of 256, d = 128 / 64: fp8_3wg_configs."""
     for d in (128, 64):
-        for name, config in fp8_3wg_configs(d).items():
-            with config():
-                for causal, sq, sk in ((True, 2051, 2100), (False, 2048, 2304)):
-                    print(f"[{name}]", end=" ", flush=True)
-                    fp8_probe.check(1, sq, sk, 2, 1, d, causal, kvblock=256)
-        fp8_shapes(d, (2048, 8192, 16384), 256, fp8_3wg_configs(d), rounds, reps, qblock=256)
+        fp8_checked_shapes(d, fp8_3wg_configs, ((1, 2051, 2100, 2, 1, True), (1, 2048, 2304, 2, 1, False)),
+                           rounds, reps)
 
 
 def fp8_keys(rounds, reps):

@@ -283,6 +283,16 @@ def test_per_tensor_descale_of_one_is_the_default():
     assert bool(cupy.array_equal(plain.view(cupy.uint16), given.view(cupy.uint16)))
 
 
+def dominant_key_inputs(d, sq, sk, h):
+    """bf16 q (1, sq, h, d), k and v (1, sk, 1, d) from N(0, 1), with key 5 + (i, head) parallel to query i of
+    that head and 4x as long: each row's weight almost all on that one key near the start."""
+    q, k, v = inputs(np.random.default_rng(d), 1, sq, sk, h, 1, d, "bfloat16")
+    for i in range(sq):
+        for head in range(h):
+            k[0, 5 + i * h + head, 0] = (q[0, i, head].astype("float32") * 4).astype(k.dtype)
+    return q, k, v
+
+
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["block128", "per-tensor"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_a_dominant_key_keeps_its_weight_over_a_long_row(d, per_tensor):
@@ -291,11 +301,7 @@ def test_a_dominant_key_keeps_its_weight_over_a_long_row(d, per_tensor):
     through every P V GEMM lost ~40 % of that row here (per-block V descales, which rescale O at every
     tile) before each tile's P V got a fresh accumulator added to O in fp32 (kernels_cu/fa3/fwd.cu). The
     usual fp64 check of the same bytes fails on a few per cent. tests/test_large_gpu.py does the same at 2^22 keys."""
-    sq, sk, h, hkv = 3, 1 << 20, 2, 1
-    q, k, v = inputs(np.random.default_rng(d), 1, sq, sk, h, hkv, d, "bfloat16")
-    for i in range(sq):
-        for head in range(h):  # key 5 + (i, head): parallel to query i of that head, 4x as long
-            k[0, 5 + i * h + head, 0] = (q[0, i, head].astype("float32") * 4).astype(k.dtype)
+    q, k, v = dominant_key_inputs(d, 3, 1 << 20, 2)
     block = None if per_tensor else 128
     data, descales = quantised(q, k, v, block, block, block)
     blocks = descale_block(block, block, block)
@@ -321,10 +327,7 @@ def test_a_dominant_key_keeps_its_weight_on_the_p_smem_tiles(monkeypatch, many_k
     d, sq, h = 256, 3, 2
     dims = fa3.Dims(1, sq, sk, h, 1, d, "bfloat16")
     assert fa3.fwd_tiles(d, fp8=True, **fa3.fp8_call_kind(dims, 256)).p_smem != many_keys
-    q, k, v = inputs(np.random.default_rng(d), 1, sq, sk, h, 1, d, "bfloat16")
-    for i in range(sq):
-        for head in range(h):
-            k[0, 5 + i * h + head, 0] = (q[0, i, head].astype("float32") * 4).astype(k.dtype)
+    q, k, v = dominant_key_inputs(d, sq, sk, h)
     data, descales = quantised(q, k, v, 256, 256, 256)
     out = cuflash.flash_attn_func(*data, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
                                   fp8_format="e4m3", descale_block=(256, 256))
