@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 from .api import (IMPLS, available_impls, flash_attn_backward, flash_attn_func,  # noqa: E402,F401
                   flash_attn_varlen_backward, flash_attn_varlen_func)
-from .api import flash_attn_combine, flash_attn_with_kvcache  # noqa: E402,F401
+from .api import clear_plans, flash_attn_combine, flash_attn_with_kvcache  # noqa: E402,F401
 from .cascade import cascade_attention  # noqa: E402,F401
 from .decode_plan import DecodePlan, plan_kvcache  # noqa: E402,F401
 from . import fp8  # noqa: E402,F401  (cuflash.fp8.quantize: FP8 e4m3 quantisation with a Hadamard rotation)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._jit import Variant, launch
+from ._jit import PreparedLaunch, Variant, launch
 from ._params import DTYPE_CODES, fill_strides, pointer_fields, stride_fields
 
 FAMILY = "bwd_aux"
@@ -38,33 +38,62 @@ def all_variants(headdims) -> list[Variant]:
     return [variant(k, d, dtype) for dtype in DTYPE_CODES for d in headdims for k in KERNELS]
 
 
-def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None, row_pitch=None, cu_seqlens_q=None,
-            varlen_batch=0, row_shift=0, planes=1):
+def _layout_params(out, dout, dq, accum_size: int, dims, scale, row_pitch=None, varlen_batch=0, row_shift=0,
+                   planes=1) -> np.ndarray:
+    """The params but their pointers: strides, sizes, padding; ``varlen_batch`` > 0 for packed batches."""
     p = np.zeros(1, PARAMS)
-    for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
-        p[name] = a.data.ptr
     for prefix, a in (("o", out), ("do", dout), ("dq", dq)):
         fill_strides(p, prefix, a)
     p["batch"], p["heads"], p["seqlen_q"], p["scale"] = dims.batch, dims.heads, dims.seqlen_q, scale
     p["row_pitch"] = dims.seqlen_q if row_pitch is None else row_pitch
-    if lse_rows is not None:
-        p["lse"], p["lse_rows"] = lse.data.ptr, lse_rows.data.ptr
-    if cu_seqlens_q is not None:
-        p["cu_seqlens_q"], p["varlen_batch"] = cu_seqlens_q.data.ptr, varlen_batch
-    p["row_shift"] = row_shift
-    p["accum_planes"], p["accum_plane_stride"] = planes, dq_accum.size // planes
+    p["varlen_batch"], p["row_shift"] = varlen_batch, row_shift
+    p["accum_planes"], p["accum_plane_stride"] = planes, accum_size // planes
     return p
 
 
-def _launch(kernel, p, dims, stream):
-    v = variant(kernel, dims.headdim, dims.dtype)
+def _params(out, dout, dq, dq_accum, dsum, dims, scale, lse=None, lse_rows=None, row_pitch=None, cu_seqlens_q=None,
+            varlen_batch=0, row_shift=0, planes=1):
+    p = _layout_params(out, dout, dq, dq_accum.size, dims, scale, row_pitch,
+                       varlen_batch if cu_seqlens_q is not None else 0, row_shift, planes)
+    for name, a in (("o", out), ("dout", dout), ("dq_accum", dq_accum), ("dq", dq), ("dsum", dsum)):
+        p[name] = a.data.ptr
+    if lse_rows is not None:
+        p["lse"], p["lse_rows"] = lse.data.ptr, lse_rows.data.ptr
+    if cu_seqlens_q is not None:
+        p["cu_seqlens_q"] = cu_seqlens_q.data.ptr
+    return p
+
+
+def _grid(dims) -> int:
+    """Blocks over the batch x heads x seqlen_q rows (0: nothing to launch)."""
     rows = dims.batch * dims.heads * dims.seqlen_q
-    if rows == 0:
-        return
     if rows >= 2**31:  # the kernels index rows in 32 bits
         raise ValueError(f"batch x heads x seqlen_q = {rows} rows: the backward supports fewer than 2^31")
     per_block = rows_per_block(dims.headdim)
-    launch(v, ((rows + per_block - 1) // per_block,), (p,), stream)
+    return (rows + per_block - 1) // per_block
+
+
+def _launch(kernel, p, dims, stream):
+    grid = _grid(dims)
+    if grid:
+        launch(variant(kernel, dims.headdim, dims.dtype), (grid,), (p,), stream)
+
+
+# The pointers a planned pass takes per call (PreparedLaunch), in this order.
+PER_CALL = ("o", "dout", "dq_accum", "dq", "dsum", "lse", "lse_rows", "cu_seqlens_q")
+
+
+def prepared(kernel: str, out, dout, dq, accum_size: int, dims, scale, row_pitch=None, varlen_batch=0, row_shift=0,
+             planes=1) -> PreparedLaunch | None:
+    """``kernel`` ("bwd_preprocess" or "bwd_convert_dq") planned for arrays of these layouts, its pointers left
+    per call (PER_CALL; 0 for those a pass does not take); the other arguments as preprocess / convert_dq
+    take them (``varlen_batch`` > 0 only for packed batches), ``accum_size`` the dQ accumulator's elements.
+    None when there are no rows."""
+    grid = _grid(dims)
+    if not grid:
+        return None
+    p = _layout_params(out, dout, dq, accum_size, dims, scale, row_pitch, varlen_batch, row_shift, planes)
+    return PreparedLaunch(variant(kernel, dims.headdim, dims.dtype), (grid,), p, PER_CALL)
 
 
 def preprocess(out, dout, dq, dq_accum, dsum, dims, scale, stream, *, lse=None, lse_rows=None,

@@ -96,7 +96,13 @@ def _caller_stream(framework: str, x):
 
 
 class Call:
-    """Context for one public call: converts inputs, sets the stream, converts outputs back."""
+    """Context for one public call: converts inputs, sets the stream, converts outputs back.
+
+    ``layout``: what the checks of a call read of its arrays -- each one's shape, strides, dtype, device and
+    whether its data is 16-byte aligned -- as a hashable key, so that a call like one checked before can
+    skip its checks (cuflash.api); stand-ins without real arrays set it to None (never memoised).
+    ``specs``: the arrays' Spec records, built on first use.
+    """
 
     def __init__(self, named_arrays: list[tuple[str, object]]):
         import cupy
@@ -107,14 +113,23 @@ class Call:
         self.framework = framework_of(first)
         self.stream = _caller_stream(self.framework, first)
         self._first = first
+        self._names = [name for name, _ in named_arrays]
         device = first.device.id if isinstance(first, cupy.ndarray) else int(first.__dlpack_device__()[1])
         self.device = cupy.cuda.Device(device)
-        self.arrays = []
-        with self.device, self.stream:
-            for name, x in named_arrays:
-                a = x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(_exportable(x))
-                self.arrays.append(a)
-        self.specs = [Spec.of(name, a) for (name, _), a in zip(named_arrays, self.arrays)]
+        if all(isinstance(x, cupy.ndarray) for _, x in named_arrays):
+            self.arrays = [x for _, x in named_arrays]
+        else:
+            with self.device, self.stream:
+                self.arrays = [x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(_exportable(x))
+                               for _, x in named_arrays]
+        self.layout = tuple((a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr % 16) for a in self.arrays)
+        self._specs = None
+
+    @property
+    def specs(self) -> list[Spec]:
+        if self._specs is None:
+            self._specs = [Spec.of(name, a) for name, a in zip(self._names, self.arrays)]
+        return self._specs
 
     def __enter__(self) -> "Call":
         self.device.__enter__()

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import struct
 import tempfile
 import threading
 import warnings
@@ -403,10 +404,13 @@ _libcuda_handle = None
 
 
 def _libcuda():
-    """The CUDA driver (the library CuPy's runtime already uses), with the two entry points typed."""
+    """The CUDA driver (the library CuPy's runtime already uses), with the entry points used here typed."""
     global _libcuda_handle
     if _libcuda_handle is None:
         lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuLaunchKernel.restype = ctypes.c_int
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(CUlaunchConfig), ctypes.c_void_p,
                                          ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
@@ -468,11 +472,53 @@ def launch_config(variant: Variant, grid: tuple[int, ...], dependent: bool = Fal
                           _pdl_attribute() if dependent else None, int(dependent))
 
 
+_U64 = struct.Struct("<Q")
+
+
+class PreparedLaunch:
+    """One kernel's launch with everything fixed when a call's shapes are planned but a few 64-bit fields of
+    its params struct (pointers, a tag) and the addresses of its tensor maps, set per call.
+
+    A call copies the struct's bytes, packs those fields into the copy and issues cuLaunchKernel through
+    ctypes: a few microseconds of Python, where filling a numpy struct field by field and CuPy's launch
+    with numpy-struct arguments cost tens (scripts/host_overhead.py). The driver copies the arguments when
+    the launch is issued, so the copy only lives until then. Built on the device it launches on.
+    """
+
+    def __init__(self, variant: Variant, grid: tuple[int, ...], params, per_call: tuple[str, ...]):
+        self.variant = variant
+        self.function = get_function(variant)  # (holds its module)
+        self.grid = (tuple(grid) + (1, 1))[:3]
+        self.template = params.tobytes()
+        self.offsets = tuple(params.dtype.fields[name][1] for name in per_call)
+        for name in per_call:
+            if params.dtype.fields[name][0].itemsize != 8:
+                raise TypeError(f"per-call field {name} of {variant.name}'s params is not 64-bit")
+
+    def __call__(self, maps: list[int], values: list[int], stream) -> None:
+        """Launch on ``stream`` with the tensor maps at host addresses ``maps`` (kept alive by the caller
+        until this returns) before the params struct, whose per-call fields get ``values``."""
+        struct_bytes = bytearray(self.template)
+        for offset, value in zip(self.offsets, values):
+            _U64.pack_into(struct_bytes, offset, value)
+        arg = (ctypes.c_char * len(struct_bytes)).from_buffer(struct_bytes)
+        args = (ctypes.c_void_p * (len(maps) + 1))(*maps, ctypes.addressof(arg))
+        v = self.variant
+        err = _libcuda().cuLaunchKernel(self.function.ptr, *self.grid, v.threads, 1, 1, v.smem_bytes, stream.ptr,
+                                        args, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel of {v.name} failed: {_error_name(err)} ({err})")
+
+
+def _error_name(err: int) -> str:
+    text = ctypes.c_char_p()
+    _libcuda().cuGetErrorName(err, ctypes.byref(text))
+    return (text.value or b"unknown CUresult").decode()
+
+
 def launch_ex(name: str, fn_ptr: int, config: CUlaunchConfig, params) -> None:
     """cuLaunchKernelEx of the function ``fn_ptr`` (``name`` for the error) with ``config`` and ``params``
     (a ctypes array of pointers to each kernel argument); a RuntimeError naming the driver's error."""
     err = _libcuda().cuLaunchKernelEx(ctypes.byref(config), fn_ptr, params, None)
     if err:
-        text = ctypes.c_char_p()
-        _libcuda().cuGetErrorName(err, ctypes.byref(text))
-        raise RuntimeError(f"cuLaunchKernelEx of {name} failed: {(text.value or b'unknown CUresult').decode()} ({err})")
+        raise RuntimeError(f"cuLaunchKernelEx of {name} failed: {_error_name(err)} ({err})")

@@ -10,6 +10,7 @@ needs no particular alignment.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,3 +65,22 @@ def _encode_tiled_cached(ptr: int, dtype: str, shape: tuple[int, ...], strides_b
     out = np.zeros(1, TENSOR_MAP)
     out["opaque"][0] = np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
     return out
+
+
+class MapLayout(NamedTuple):
+    """Everything of a tensor map but its base address (encode_tiled's arguments): what a planned call
+    fixes once for its shapes, so that each call only looks up the map at its arrays' addresses."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    strides_bytes: tuple[int, ...]
+    box: tuple[int, ...]
+    swizzle: int = 128
+
+
+@functools.lru_cache(maxsize=512)
+def encoded(ptr: int, layout: MapLayout) -> tuple[np.ndarray, int]:
+    """The map of ``layout`` at ``ptr`` and its host address (to pass by pointer); keep the pair until the
+    launch has been issued (the cache may drop its entry before that)."""
+    tmap = _encode_tiled_cached(ptr, *layout)
+    return tmap, tmap.ctypes.data

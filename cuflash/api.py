@@ -193,6 +193,48 @@ def _plan(call, dims, direction: str, *, alibi_index: int, impl, causal, softmax
     return _Plan(scale, window, family, _kernel_options(softcap, alibi, dropout, deterministic, cu_seqlens))
 
 
+# Public calls' checks by outcome: (dims, _Plan) of a call, by its arrays' layout (Call.layout), the compute
+# capability of their device and its options with their types (so that a refused value never shares a key with
+# an accepted one that compares equal, as False and 0.0 do). A call like one checked before skips its checks and
+# its choice of kernel family; the families' own plans (fa3.clear_plans) skip the rest.
+_CHECKED: dict = {}
+_MAX_CHECKED = 1024
+
+
+def clear_plans() -> None:
+    """Forget every memoised check and planned launch: the next call of each layout is checked and planned
+    again. Call it after editing ``cuflash.heuristics`` (tile tables, thresholds) at run time, which the plans
+    read when they are made."""
+    _CHECKED.clear()
+    fa3.clear_plans()
+
+
+def _types(x):
+    """The type of ``x``, and of each item of a tuple, all the way down: (-1.0, -1.0) equals (-1, -1) but is
+    refused as a window_size."""
+    return (tuple, tuple(map(_types, x))) if type(x) is tuple else type(x)
+
+
+def _checked(call, options: tuple, check):
+    """``check()``'s result for ``call`` with ``options``, memoised (see _CHECKED); unmemoised when the call
+    has no layout key or an option is unhashable (a list for window_size)."""
+    from ._device import compute_capability
+
+    if call.layout is None:
+        return check()
+    key = (call.layout, compute_capability(call.device.id), options, _types(options))
+    try:
+        result = _CHECKED.get(key)
+    except TypeError:
+        return check()
+    if result is None:
+        result = check()
+        if len(_CHECKED) >= _MAX_CHECKED:
+            _CHECKED.clear()
+        _CHECKED[key] = result
+    return result
+
+
 def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False,
                     impl="auto", q_descale=None, k_descale=None, v_descale=None, fp8_format=None,
@@ -237,12 +279,20 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
             dropout_offset=dropout_offset, return_lse=return_lse, impl=impl)
     arrays = [("q", q), ("k", k), ("v", v)] + ([("alibi_slopes", alibi_slopes)] if alibi_slopes is not None else [])
     with Call(arrays) as call:
-        qs, ks, vs = call.specs[:3]
-        dims = _validate.check_qkv(qs, ks, vs)
-        plan = _plan(call, dims, "forward", alibi_index=3, impl=impl, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                     dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+        def check():
+            qs, ks, vs = call.specs[:3]
+            dims = _validate.check_qkv(qs, ks, vs)
+            return dims, _plan(call, dims, "forward", alibi_index=3, impl=impl, causal=causal,
+                               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                               dropout_offset=dropout_offset)
 
+        if alibi_slopes is None:  # (slopes are an array: checked every call)
+            options = ("forward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed,
+                       dropout_offset)
+            dims, plan = _checked(call, options, check)
+        else:
+            dims, plan = check()
         qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.dv), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
@@ -268,16 +318,24 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
     if alibi_slopes is not None:
         arrays.append(("alibi_slopes", alibi_slopes))
     with Call(arrays) as call:
-        qs, ks, vs, os_, dos, lses = call.specs[:6]
-        dims = _validate.check_qkv(qs, ks, vs)
-        _validate.check_v_headdim_is_q_s(dims, "the backward")
-        _validate.check_like(os_, qs)
-        _validate.check_like(dos, qs)
-        _validate.check_lse(lses, dims, qs)
-        plan = _plan(call, dims, "backward", alibi_index=6, impl=impl, causal=causal, softmax_scale=softmax_scale,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                     dropout_seed=dropout_seed, dropout_offset=dropout_offset, deterministic=deterministic)
+        def check():
+            qs, ks, vs, os_, dos, lses = call.specs[:6]
+            dims = _validate.check_qkv(qs, ks, vs)
+            _validate.check_v_headdim_is_q_s(dims, "the backward")
+            _validate.check_like(os_, qs)
+            _validate.check_like(dos, qs)
+            _validate.check_lse(lses, dims, qs)
+            return dims, _plan(call, dims, "backward", alibi_index=6, impl=impl, causal=causal,
+                               softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                               alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                               dropout_offset=dropout_offset, deterministic=deterministic)
 
+        if alibi_slopes is None:  # (slopes are an array: checked every call)
+            options = ("backward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed,
+                       dropout_offset, deterministic)
+            dims, plan = _checked(call, options, check)
+        else:
+            dims, plan = check()
         qa, ka, va, oa, doa, lsea = call.arrays[:6]
         dq = cupy.empty_like(qa)
         dk = cupy.empty((dims.batch, dims.seqlen_k, dims.kv_heads, dims.headdim), dtype=qa.dtype)

@@ -15,7 +15,8 @@ import numpy as np
 from . import _tma
 from ._interop import dtype_name
 from . import _bwd_aux, heuristics, tile_order
-from ._jit import Variant, launch
+from ._device import device_id
+from ._jit import PreparedLaunch, Variant
 from ._params import (DIMS_FIELDS, DTYPE_CODES, fill_dims, fill_row_strides, fill_strides, logit_scales,
                       pointer_fields, stride_fields)
 from ._validate import Dims
@@ -279,16 +280,15 @@ def pack_gqa(dims: Dims, varlen: bool) -> bool:
     return -(-dims.seqlen_q * group // 128) < group * -(-dims.seqlen_q // 128)
 
 
-def _packed_q_map(q, group: int, block_m: int):
+def _packed_q_layout(q, group: int, block_m: int) -> _tma.MapLayout:
     """Q as (d, heads, seqlen, batch), innermost first, with (64, group, block_m / group) boxes: one box
     is a tile of block_m (query, head) rows, the group's heads fastest."""
     b, s, h, d = q.shape
     strides = (q.strides[2], q.strides[1], q.strides[0])  # bytes: head, row, batch
-    return _tma.encode_tiled(q.data.ptr, dtype_name(q.dtype), (d, h, s, b), strides, (64, group, block_m // group, 1),
-                             swizzle=128)
+    return _tma.MapLayout(dtype_name(q.dtype), (d, h, s, b), strides, (64, group, block_m // group, 1))
 
 
-def _tensor_map(a, rows_per_box: int):
+def _map_layout(a, rows_per_box: int) -> _tma.MapLayout:
     """A 4-D map over (d, seqlen, heads, batch), innermost first, loading boxes of one 128-byte atom row
     (64 16-bit or 128 8-bit elements; past d TMA fills zeros) x rows_per_box. A packed (total, heads, d)
     array is one batch entry of ``total`` rows (the kernel adds each sequence's start)."""
@@ -298,8 +298,57 @@ def _tensor_map(a, rows_per_box: int):
     else:
         b, s, h, d = a.shape
         strides = (a.strides[1], a.strides[2], a.strides[0])  # bytes: row, head, batch
-    return _tma.encode_tiled(a.data.ptr, dtype_name(a.dtype), (d, s, h, b), strides,
-                             (128 // a.dtype.itemsize, rows_per_box, 1, 1), swizzle=128)
+    return _tma.MapLayout(dtype_name(a.dtype), (d, s, h, b), strides, (128 // a.dtype.itemsize, rows_per_box, 1, 1))
+
+
+# Planned launches by call layout (device, dims, options, the arrays' shapes and strides): a forward call
+# whose layout was seen before costs a dictionary lookup, the tensor maps at its arrays' addresses and one
+# launch. The plans read the heuristics tables when they are made: clear_plans() after editing those.
+_PLANS: dict = {}
+_MAX_PLANS = 1024  # (variable-length batches make one per total length: forget them all past this many)
+
+
+def clear_plans() -> None:
+    """Forget every planned forward launch (after an edit of cuflash.heuristics' tables, or of this module's
+    planning functions, so that the next call plans again)."""
+    _PLANS.clear()
+
+
+def _planned(key, make):
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
+
+
+def _layout_key(*arrays) -> tuple:
+    return tuple((a.shape, a.strides) for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForwardPlan:
+    """A bf16 / fp16 forward of one layout: the kernel's launch, its four maps' layouts (Q, K, V, O) and
+    the stream-K tail's split (None without one)."""
+
+    kernel: PreparedLaunch
+    maps: tuple[_tma.MapLayout, ...]
+    tail: "TailSplit | None"
+
+    def launch(self, q, k, v, out, lse, stream, cu_seqlens) -> None:
+        maps = [_tma.encoded(a.data.ptr, layout) for a, layout in zip((q, k, v, out), self.maps)]
+        cu_q, cu_k = cu_seqlens or (None, None)
+        values = [out.data.ptr, lse.data.ptr, 0 if cu_q is None else cu_q.data.ptr, 0 if cu_k is None else cu_k.data.ptr]
+        tail = self.tail.buffers() if self.tail is not None else None
+        if tail is not None:
+            values += [tail[0].data.ptr, tail[1].data.ptr, tail[2]]
+        self.kernel([address for _, address in maps], values, stream)
+        del tail  # its slots go back to the pool once queued: later work on the stream runs after the kernel
+
+
+_FORWARD_PER_CALL = ("o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+_TAIL_PER_CALL = ("tail_partials", "tail_flags", "tail_tag")
 
 
 def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float, stream, softcap: float = 0.0,
@@ -312,44 +361,62 @@ def forward(q, k, v, out, lse, dims: Dims, window: tuple[int, int], scale: float
     (the next sequence's, weighted by exactly zero), and for the last sequence the rows after
     cu_seqlens_k[-1] if the arrays have any — those must hold finite numbers (0 × NaN is NaN).
     """
+    varlen = cu_seqlens is not None
+    key = ("forward", device_id(), dims, window, scale, softcap, varlen, _layout_key(q, k, v, out))
+    plan = _planned(key, lambda: _plan_forward(q, k, v, out, dims, window, scale, softcap, varlen))
+    plan.launch(q, k, v, out, lse, stream, cu_seqlens)
+
+
+def _plan_forward(q, k, v, out, dims: Dims, window, scale: float, softcap: float, varlen: bool) -> _ForwardPlan:
     unmasked = _unmasked(window, dims)
-    cu_q, cu_k = cu_seqlens or (None, None)
-    pack = pack_gqa(dims, cu_q is not None)
+    pack = pack_gqa(dims, varlen)
     short = _short_masked(window, dims)
     t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack, short_masked=short)
     block_m = fwd_block_m(t)
     group = dims.heads // dims.kv_heads
-    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, cu_q is not None, pack, unmasked=unmasked,
+    variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, pack, unmasked=unmasked,
                           headdim_v=dims.headdim_v, short_masked=short)
-    map_q = _packed_q_map(q, group, block_m) if pack else _tensor_map(q, block_m)
-    map_k, map_v = _tensor_map(k, t.block_n), _tensor_map(v, t.block_n)
-    map_o = _tensor_map(out, 64)  # each consumer warpgroup stores its 64 rows (STORE_O_TMA variants)
+    map_q = _packed_q_layout(q, group, block_m) if pack else _map_layout(q, block_m)
+    # each consumer warpgroup stores its 64 rows of O (STORE_O_TMA variants)
+    maps = (map_q, _map_layout(k, t.block_n), _map_layout(v, t.block_n), _map_layout(out, 64))
     p = np.zeros(1, PARAMS)
-    p["o"], p["lse"] = out.data.ptr, lse.data.ptr
-    if cu_q is not None:
-        p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
     fill_strides(p, "o", out)
-    fill_row_strides(p, dims, None if cu_q is None else q.shape[0])
+    fill_row_strides(p, dims, q.shape[0] if varlen else None)
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, softcap)
     budget = heuristics.fa3_l2_section_kib(dims.headdim, dims.seqlen_k)
-    grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack, shift_rows=cu_q is None and not pack)
-    tail = fill_tail(p, dims, block_m, t, grid) if unmasked and cu_q is None and not pack else None
-    launch(variant, (grid,), (map_q, map_k, map_v, map_o, p), stream)
-    del tail  # its slots go back to the pool once queued: later work on the stream runs after the kernel
+    grid = fill_schedule(p, dims, window, block_m, t.block_n, 2, budget, pack, shift_rows=not varlen and not pack)
+    tail = fill_tail(p, dims, block_m, t, grid) if unmasked and not varlen and not pack else None
+    per_call = _FORWARD_PER_CALL + (_TAIL_PER_CALL if tail is not None else ())
+    return _ForwardPlan(PreparedLaunch(variant, (grid,), p, per_call), maps, tail)
 
 
-# Tags of the stream-K tail's flags (fill_tail): 64-bit, from a random start per process, never 0 (a
+# Tags of the stream-K tail's flags (TailSplit.buffers): 64-bit, from a random start per process, never 0 (a
 # flag's reset value), one per call.
 _TAIL_TAGS = itertools.count(int.from_bytes(os.urandom(8), "little") >> 1 | 1)
 
 
-def fill_tail(p, dims: Dims, block_m: int, tiles: heuristics.Fa3Tiles, grid: int):
-    """The stream-K tail of an unmasked fixed-length bf16 / fp16 forward into ``p`` (tail_*: kernels_cu/
-    common/tile_scheduler.cuh TailSplit) where tile_order.tail_split takes one; returns the partial slots
-    and flags it allocated (None without a tail). Every tile sees all ceil(seqlen_k / block_n) K tiles."""
-    import cupy
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+    """The stream-K tail's buffers of one layout: ``entries`` partials of ``partial_floats`` floats each
+    and their flags, allocated per call (a call's tag marks its own flags, so nothing is zeroed)."""
 
+    entries: int
+    partial_floats: int
+
+    def buffers(self):
+        """(partials, flags, this call's tag)."""
+        import cupy
+
+        partials = cupy.empty(self.entries * self.partial_floats, dtype=cupy.float32)
+        flags = cupy.empty(self.entries, dtype=cupy.uint64)
+        return partials, flags, next(_TAIL_TAGS) & (2 ** 64 - 1) or 1
+
+
+def fill_tail(p, dims: Dims, block_m: int, tiles: heuristics.Fa3Tiles, grid: int) -> TailSplit | None:
+    """The stream-K tail of an unmasked fixed-length bf16 / fp16 forward into ``p`` (tail_*: kernels_cu/
+    common/tile_scheduler.cuh TailSplit) where tile_order.tail_split takes one; returns its buffers' sizes
+    (None without a tail). Every tile sees all ceil(seqlen_k / block_n) K tiles."""
     m_blocks, pairs = _tile_counts(dims, block_m, False)
     k_blocks = -(-dims.seqlen_k // tiles.block_n)
     split = tile_order.tail_split(m_blocks * pairs, grid, k_blocks)
@@ -359,13 +426,8 @@ def fill_tail(p, dims: Dims, block_m: int, tiles: heuristics.Fa3Tiles, grid: int
     tail_tiles = m_blocks * pairs - start
     # O's columns in a bf16 / fp16 forward (fa3/fwd.cu OD); a partial holds OD / 8 + 1 float4 per thread
     od = atom_padded(dims.headdim_v or dims.headdim, 2)
-    entries = tail_tiles * slots * tiles.consumers
-    partials = cupy.empty(entries * (od // 8 + 1) * 128 * 4, dtype=cupy.float32)
-    flags = cupy.empty(entries, dtype=cupy.uint64)  # (set to this call's tag when filled: no zeroing)
     p["tail_start"], p["tail_units"], p["tail_k_blocks"], p["tail_slots"] = start, units, k_blocks, slots
-    p["tail_partials"], p["tail_flags"] = partials.data.ptr, flags.data.ptr
-    p["tail_tag"] = next(_TAIL_TAGS) & (2 ** 64 - 1) or 1
-    return partials, flags
+    return TailSplit(tail_tiles * slots * tiles.consumers, (od // 8 + 1) * 128 * 4)
 
 
 def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, budget_kib: int,
@@ -408,6 +470,26 @@ def schedule(dims: Dims, window, block_m: int, block_n: int, elem_bytes: int, bu
     return (*tile_order.choose(m_blocks, pairs, grid, fit, costs, wide_ok), shift)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fp8ForwardPlan:
+    """An FP8 forward of one layout: V's transpose into a scratch V^T of ``vt_shape``, then the kernel on
+    the maps of Q, K, V^T and O."""
+
+    transpose: PreparedLaunch
+    kernel: PreparedLaunch
+    maps: tuple[_tma.MapLayout, ...]
+    vt_shape: tuple[int, ...]
+
+    def launch(self, q, k, v, out, lse, q_descale, k_descale, v_descale, stream) -> None:
+        import cupy
+
+        vt = cupy.empty(self.vt_shape, dtype=cupy.uint8)
+        self.transpose([], [v.data.ptr, vt.data.ptr], stream)
+        maps = [_tma.encoded(a.data.ptr, layout) for a, layout in zip((q, k, vt, out), self.maps)]
+        self.kernel([address for _, address in maps],
+                    [out.data.ptr, lse.data.ptr, q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr], stream)
+
+
 def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int, kv_block: int, dims: Dims,
                 window: tuple[int, int], scale: float, stream) -> None:
     """The FP8 forward on ``stream``: V transposed into a scratch V^T by fa3/fp8_transpose_v.cu, then the
@@ -419,40 +501,46 @@ def forward_fp8(q, k, v, out, lse, q_descale, k_descale, v_descale, q_block: int
     v_descale: contiguous fp32 (batch, kv_heads, nk), key j using [b, hk, j // kv_block], kv_block a
     multiple of FP8_BLOCK_N. ``dims.dtype`` is the output's ("bfloat16").
     """
-    import cupy
-
     if kv_block % FP8_BLOCK_N:
         raise ValueError(f"the FP8 kernel takes K/V descale blocks of a multiple of {FP8_BLOCK_N} keys; got {kv_block}")
+    key = ("fp8 forward", device_id(), dims, window, scale, q_block, kv_block, q_descale.shape[2], k_descale.shape[2],
+           _layout_key(q, k, v, out))
+    plan = _planned(key, lambda: _plan_forward_fp8(q, k, v, out, q_descale, k_descale, q_block, kv_block, dims, window,
+                                                   scale))
+    plan.launch(q, k, v, out, lse, q_descale, k_descale, v_descale, stream)
+
+
+def _plan_forward_fp8(q, k, v, out, q_descale, k_descale, q_block: int, kv_block: int, dims: Dims, window,
+                      scale: float) -> _Fp8ForwardPlan:
     kind = fp8_call_kind(dims, kv_block)
     t = fwd_tiles(dims.headdim, fp8=True, **kind)
     keys_padded = -(-dims.seqlen_k // 16) * 16
-    vt = cupy.empty((dims.batch, dims.kv_heads, dims.headdim, keys_padded), dtype=cupy.uint8)
+    vt_shape = (dims.batch, dims.kv_heads, dims.headdim, keys_padded)
     tp = np.zeros(1, FP8_TRANSPOSE_PARAMS)
-    tp["v"], tp["vt"] = v.data.ptr, vt.data.ptr
     for axis, name in enumerate(("batch", "row", "head")):
         tp[f"v_{name}_stride"] = v.strides[axis]
     tp["seqlen_k"], tp["keys_padded"], tp["kv_heads"] = dims.seqlen_k, keys_padded, dims.kv_heads
-    launch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch), (tp,), stream)
+    transpose = PreparedLaunch(fp8_transpose_variant(dims.headdim), (-(-keys_padded // 64), dims.kv_heads, dims.batch),
+                               tp, ("v", "vt"))
 
     variant = fwd_variant(dims.headdim, dtype_name(out.dtype), fp8=True, **kind)
     block_m = fwd_block_m(t)
-    map_q, map_k = _tensor_map(q, block_m), _tensor_map(k, t.block_n)
     # V^T (keys, d, kv_heads, batch), innermost first: boxes of 128 keys (one swizzle atom) x d rows, block_n /
-    # 128 of them per tile
-    map_vt = _tma.encode_tiled(vt.data.ptr, "uint8", (keys_padded, dims.headdim, dims.kv_heads, dims.batch),
-                               vt.strides[2::-1], (FP8_BLOCK_N, dims.headdim, 1, 1), swizzle=128)
-    map_o = _tensor_map(out, 64)
+    # 128 of them per tile (vt is contiguous: its byte strides are its element strides)
+    vt_strides = (keys_padded, dims.headdim * keys_padded, dims.kv_heads * dims.headdim * keys_padded)
+    map_vt = _tma.MapLayout("uint8", (keys_padded, dims.headdim, dims.kv_heads, dims.batch), vt_strides,
+                            (FP8_BLOCK_N, dims.headdim, 1, 1))
+    maps = (_map_layout(q, block_m), _map_layout(k, t.block_n), map_vt, _map_layout(out, 64))
     p = np.zeros(1, PARAMS)
-    p["o"], p["lse"] = out.data.ptr, lse.data.ptr
     fill_strides(p, "o", out)
     fill_row_strides(p, dims, None)
     fill_dims(p, dims, window)
     p["scale_log2"], p["softcap_pre"] = logit_scales(scale, 0.0)
-    p["q_descale"], p["k_descale"], p["v_descale"] = q_descale.data.ptr, k_descale.data.ptr, v_descale.data.ptr
     p["q_descale_blocks"], p["q_descale_rows"] = q_descale.shape[2], q_block
     p["kv_descale_blocks"], p["kv_descale_tiles"] = k_descale.shape[2], kv_block // t.block_n
     grid = fill_schedule(p, dims, window, block_m, t.block_n, 1, heuristics.FA3_FP8_L2_SECTION_KIB)
-    launch(variant, (grid,), (map_q, map_k, map_vt, map_o, p), stream)
+    kernel = PreparedLaunch(variant, (grid,), p, ("o", "lse", "q_descale", "k_descale", "v_descale"))
+    return _Fp8ForwardPlan(transpose, kernel, maps, vt_shape)
 
 
 def _sm_count() -> int:
@@ -476,10 +564,59 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     into several accumulator planes (bwd_dq_accumulators) that the conversion sums in order. Fixed-length calls of
     bwd.cu (d <= 128) may put the last Q block's spare rows before row 0 (tile_order.bwd_row_shift): the
     padded rows and a dQ accumulator of this function's own then start with them (fa3/bwd_roles.cuh)."""
-    cu_q, cu_k = cu_seqlens or (None, None)
-    varlen = cu_q is not None
+    varlen = cu_seqlens is not None
+    key = ("backward", device_id(), dims, window, scale, softcap, deterministic, varlen,
+           _layout_key(dout, q, k, v, out, lse, dq, dk, dv, dq_accum))
+    plan = _planned(key, lambda: _plan_backward(dout, q, k, v, out, dq, dk, dv, dq_accum, dims, window, scale, softcap,
+                                                deterministic, varlen))
+    plan.launch(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, stream, cu_seqlens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BackwardPlan:
+    """An FA3 backward of one layout: the preprocess, the kernel and the dQ conversion, the kernel's nine
+    maps' layouts (Q, K, V, dO, the dQ accumulator, the LSE and D rows, dK, dV), the padded rows (2, rows)
+    per call, a dQ accumulator of its own (``own_accum``: its shape, with several planes) and the
+    deterministic mode's counters (``semaphore``: their shape)."""
+
+    preprocess: PreparedLaunch | None
+    kernel: PreparedLaunch
+    convert: PreparedLaunch | None
+    maps: tuple[_tma.MapLayout, ...]
+    rows: int
+    own_accum: tuple[int, ...] | None
+    semaphore: tuple[int, ...] | None
+
+    def launch(self, dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, stream, cu_seqlens) -> None:
+        import cupy
+
+        cu_q, cu_k = cu_seqlens or (None, None)
+        rows = cupy.empty((2, self.rows), dtype=cupy.float32)  # the LSE's and D's padded rows
+        lse_rows, dsum_rows = rows.data.ptr, rows.data.ptr + self.rows * 4
+        if self.own_accum is not None:
+            dq_accum = cupy.empty(self.own_accum, dtype=cupy.float32)
+        cu_q_ptr = 0 if cu_q is None else cu_q.data.ptr
+        # (bwd_aux PER_CALL: o, dout, dq_accum, dq, dsum, lse, lse_rows, cu_seqlens_q)
+        if self.preprocess is not None:
+            self.preprocess([], [out.data.ptr, dout.data.ptr, dq_accum.data.ptr, dq.data.ptr, dsum_rows, lse.data.ptr,
+                                 lse_rows, cu_q_ptr], stream)
+        maps = [_tma.encoded(ptr, layout) for ptr, layout in zip(
+            (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, dq_accum.data.ptr, lse_rows, dsum_rows, dk.data.ptr,
+             dv.data.ptr), self.maps)]
+        semaphore = None if self.semaphore is None else cupy.zeros(self.semaphore, dtype=cupy.int32)
+        self.kernel([address for _, address in maps],
+                    [dk.data.ptr, dv.data.ptr, cu_q_ptr, 0 if cu_k is None else cu_k.data.ptr,
+                     0 if semaphore is None else semaphore.data.ptr], stream)
+        if self.convert is not None:
+            self.convert([], [out.data.ptr, dout.data.ptr, dq_accum.data.ptr, dq.data.ptr, dsum.data.ptr, 0, 0, 0],
+                         stream)
+        del rows, semaphore  # back to the pool once queued: later work on the stream runs after the kernels
+
+
+def _plan_backward(dout, q, k, v, out, dq, dk, dv, dq_accum, dims: Dims, window, scale: float, softcap: float,
+                   deterministic: bool, varlen: bool) -> _BackwardPlan:
     block_m = bwd_block_m(dims.headdim, softcap > 0)
-    shift = bwd_row_shift(dims, window, softcap, cu_seqlens)  # the padded rows and dq_accum start with them
+    shift = 0 if varlen else bwd_row_shift(dims, window, softcap)  # the padded rows and dq_accum start with them
     if not varlen and dq_accum.shape[-2] != shift + dims.seqlen_q:
         raise ValueError(f"dq_accum has {dq_accum.shape[-2]} rows per head; this call needs {shift} + "
                          f"{dims.seqlen_q} (fa3.bwd_row_shift)")
@@ -494,27 +631,28 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
         raise ValueError(f"the FA3 backward indexes the LSE with 32-bit TMA coordinates: its padded rows (heads x "
                          f"batch x seqlen_q, or heads x total_q, padded per {block_m}) must be below 2^31; "
                          f"got {total}")
-    import cupy
-
-    rows = cupy.empty((2, total), dtype=cupy.float32)
-    lse_rows, dsum_rows = rows[0], rows[1]
     aux_dims = dataclasses.replace(dims, batch=1, seqlen_q=q.shape[0]) if varlen else dims
     # Deterministic mode with few heads in the grid: several dQ accumulator planes (bwd_dq_accumulators), in
-    # a buffer of this function's own instead of the caller's one plane.
-    planes = bwd_dq_accumulators(dims, window, dq_accum.nbytes, deterministic)
+    # a buffer of this call's own instead of the caller's one plane.
+    accum_bytes = int(np.prod(dq_accum.shape)) * 4
+    planes = bwd_dq_accumulators(dims, window, accum_bytes, deterministic)
+    accum_shape = tuple(dq_accum.shape)
+    own_accum = None
     if planes > 1:
-        dq_accum = cupy.empty((planes * dq_accum.shape[0], *dq_accum.shape[1:]), dtype=cupy.float32)
-    _bwd_aux.preprocess(out, dout, dq, dq_accum, dsum_rows, aux_dims, scale, stream, lse=lse, lse_rows=lse_rows,
-                        row_pitch=pitch, cu_seqlens_q=cu_q, varlen_batch=dims.batch, row_shift=shift, planes=planes)
+        own_accum = accum_shape = (planes * accum_shape[0], *accum_shape[1:])
+    accum_size = int(np.prod(accum_shape))
+    preprocess = _bwd_aux.prepared("bwd_preprocess", out, dout, dq, accum_size, aux_dims, scale, row_pitch=pitch,
+                                   varlen_batch=dims.batch if varlen else 0, row_shift=shift, planes=planes)
+    convert = _bwd_aux.prepared("bwd_convert_dq", out, dout, dq, accum_size, aux_dims, scale, row_shift=shift,
+                                planes=planes)
     variant = bwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, block_m)
     block_n = bwd_block_n(dims.headdim)
-    maps = (_tensor_map(q, block_m), _tensor_map(k, block_n), _tensor_map(v, block_n), _tensor_map(dout, block_m),
-            _dq_accum_map(dq_accum, block_m), _rows_map(lse_rows, block_m), _rows_map(dsum_rows, block_m))
-    maps += (_tensor_map(dk, 64), _tensor_map(dv, 64))  # (the kernels store dK, dV through them in 64-row boxes)
+    rows_map = _rows_layout(total, block_m)
+    maps = (_map_layout(q, block_m), _map_layout(k, block_n), _map_layout(v, block_n), _map_layout(dout, block_m),
+            _dq_accum_layout(accum_shape, block_m), rows_map, rows_map,
+            _map_layout(dk, 64), _map_layout(dv, 64))  # (the kernels store dK, dV through them in 64-row boxes)
     p = np.zeros(1, BWD_PARAMS)
-    p["dk"], p["dv"] = dk.data.ptr, dv.data.ptr
-    if varlen:
-        p["cu_seqlens_q"], p["cu_seqlens_k"] = cu_q.data.ptr, cu_k.data.ptr
+    semaphore = None
     if deterministic:
         atoms = -(-dims.headdim // 64)
         flags = dims.batch * dims.heads * (q_pitch // block_m) * atoms  # counters per accumulator plane
@@ -522,8 +660,7 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
             raise ValueError(f"deterministic FA3 backward: dQ planes x batch x heads x Q blocks x dQ atoms must be "
                              f"below 2^31 (32-bit counter indices); got {planes} x {dims.batch} x {dims.heads} x "
                              f"{q_pitch // block_m} x {atoms}")
-        semaphore = cupy.zeros((planes, dims.batch, dims.heads, q_pitch // block_m, atoms), dtype=cupy.int32)
-        p["dq_semaphore"] = semaphore.data.ptr
+        semaphore = (planes, dims.batch, dims.heads, q_pitch // block_m, atoms)
         p["dq_plane_shift"], p["dq_plane_flags"] = planes.bit_length() - 1, flags
         p["dq_plane_heads"] = dims.heads if varlen else dims.batch * dims.heads  # one plane along the dQ map
     fill_strides(p, "dk", dk)
@@ -539,8 +676,8 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, dq_accum, dsum, dims: Dims, wi
     grid = ((dims.seqlen_k + block_n - 1) // block_n, dims.kv_heads, dims.batch)
     p["rotate_q_blocks"] = int(deterministic and bwd_rotates(window, dims, grid[0], _sm_count()))
     p["row_shift"] = shift
-    launch(variant, grid, (*maps, p), stream)
-    _bwd_aux.convert_dq(out, dout, dq, dq_accum, dsum, aux_dims, scale, stream, row_shift=shift, planes=planes)
+    kernel = PreparedLaunch(variant, grid, p, ("dk", "dv", "cu_seqlens_q", "cu_seqlens_k", "dq_semaphore"))
+    return _BackwardPlan(preprocess, kernel, convert, maps, total, own_accum, semaphore)
 
 
 def bwd_row_shift(dims: Dims, window, softcap: float = 0.0, cu_seqlens=None, **_) -> int:
@@ -598,20 +735,19 @@ def varlen_row_pitch(total_q: int, batch: int) -> int:
     return (total_q + BWD_BLOCK_M - 1) // BWD_BLOCK_M * BWD_BLOCK_M + BWD_BLOCK_M * batch
 
 
-def _rows_map(rows, block_m: int):
-    """A flat fp32 array of padded (batch, heads, pitch) rows (LSE, D) as one row of block_m-element boxes, which
-    the producer loads with each (Q, dO) block. The map has a second dimension of size 1: a rank-1 map
-    failed to encode on the H200 (CUDA_ERROR_INVALID_VALUE, with the empty stride list); that dimension's
-    stride is never stepped and only has to be a multiple of 16."""
-    row_bytes = (rows.size * 4 + 15) // 16 * 16
-    return _tma.encode_tiled(rows.data.ptr, "float32", (rows.size, 1), (row_bytes,), (block_m, 1), swizzle=0)
+def _rows_layout(size: int, block_m: int) -> _tma.MapLayout:
+    """A flat fp32 array of ``size`` padded (batch, heads, pitch) rows (LSE, D) as one row of block_m-element
+    boxes, which the producer loads with each (Q, dO) block. The map has a second dimension of size 1: a
+    rank-1 map failed to encode on the H200 (CUDA_ERROR_INVALID_VALUE, with the empty stride list); that
+    dimension's stride is never stepped and only has to be a multiple of 16."""
+    row_bytes = (size * 4 + 15) // 16 * 16
+    return _tma.MapLayout("float32", (size, 1), (row_bytes,), (block_m, 1), swizzle=0)
 
 
-def _dq_accum_map(dq_accum, block_m: int):
+def _dq_accum_layout(shape: tuple[int, ...], block_m: int) -> _tma.MapLayout:
     """The fp32 dQ accumulator, (batch, heads, seqlen_q, d) or packed (heads, total_q, d), as a 3-D map
     (d, rows, batch x heads or heads) with block_m-row x 32-column boxes in the 128-byte swizzle, for the
     backward's reduce-adds."""
-    *lead, rows, d = dq_accum.shape
+    *lead, rows, d = shape
     entries = int(np.prod(lead))
-    return _tma.encode_tiled(dq_accum.data.ptr, "float32", (d, rows, entries), (d * 4, rows * d * 4),
-                             (32, block_m, 1), swizzle=128)
+    return _tma.MapLayout("float32", (d, rows, entries), (d * 4, rows * d * 4), (32, block_m, 1), swizzle=128)

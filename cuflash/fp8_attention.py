@@ -172,40 +172,55 @@ def forward(q, k, v, *, q_descale, k_descale, v_descale, fp8_format, descale_blo
     given = [(n, d) for n, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
              if d is not None]
     with Call(named + given) as call:
-        spec = {s.name: s for s in call.specs}
-        arr = {s.name: a for s, a in zip(call.specs, call.arrays)}
-        qkv = [spec["q"], spec["k"], spec["v"]]
-        _check_fp8_inputs(qkv, fmt, fp8_format, [n for n, _ in given])
-        dims = _validate.check_qkv(*qkv, dtypes=_validate.FP8_DTYPES)
-        _validate.check_v_headdim_is_q_s(dims, "FP8 attention")
-        if dims.headdim not in fa3.FP8_HEADDIMS:
-            raise ValueError(f"head dim {dims.headdim} is not supported with FP8 inputs (supported: "
-                             f"{list(fa3.FP8_HEADDIMS)})")
-        scale, window = _check_unsupported(
-            dims, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
-            impl=impl)
+        def check():
+            spec = {s.name: s for s in call.specs}
+            qkv = [spec["q"], spec["k"], spec["v"]]
+            _check_fp8_inputs(qkv, fmt, fp8_format, [n for n, _ in given])
+            dims = _validate.check_qkv(*qkv, dtypes=_validate.FP8_DTYPES)
+            _validate.check_v_headdim_is_q_s(dims, "FP8 attention")
+            if dims.headdim not in fa3.FP8_HEADDIMS:
+                raise ValueError(f"head dim {dims.headdim} is not supported with FP8 inputs (supported: "
+                                 f"{list(fa3.FP8_HEADDIMS)})")
+            scale, window = _check_unsupported(
+                dims, causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                impl=impl)
 
+            b, h, hk = dims.batch, dims.heads, dims.kv_heads
+            kv_side = (hk, "kv_heads", dims.seqlen_k, "seqlen_k", kv_block, "kv_block")
+            sides = {"q_descale": (h, "heads", dims.seqlen_q, "seqlen_q", q_block, "q_block"),
+                     "k_descale": kv_side, "v_descale": kv_side}
+            n = dict.fromkeys(sides, 1)  # entries per (batch, head); 1 for a descale not given
+            for name, _ in given:
+                n[name] = _check_descale(spec[name], b, *sides[name], descale_block, spec["q"])
+            nk = max(n["k_descale"], n["v_descale"])
+            if nk > 1 and kv_block % fa3.FP8_BLOCK_N:
+                per_block = "k_descale" if n["k_descale"] > 1 else "v_descale"
+                raise ValueError(f"descale_block={(q_block, kv_block)}: kv_block must be a multiple of "
+                                 f"{fa3.FP8_BLOCK_N} (the FP8 kernel's key tile) when {per_block} has one scale per "
+                                 "block of keys")
+
+            from .api import _supports_arch
+
+            why = _supports_arch(fa3, _device.compute_capability(call.device.id))
+            if why is not None:
+                raise ValueError(f"FP8 attention runs on FA3's Hopper kernel, which cannot run on q's device "
+                                 f"{call.device.id}: {why}")
+            launch_q_block, launch_kv_block = launch_blocks(dims, n["q_descale"], nk, q_block, kv_block)
+            out_dims = dataclasses.replace(dims, dtype="bfloat16")  # the kernel's dims carry the output's dtype
+            return dims, out_dims, scale, window, n["q_descale"], nk, launch_q_block, launch_kv_block
+
+        if alibi_slopes is None:  # (refused below when given: checked every call)
+            from .api import _checked
+
+            options = ("fp8 forward", fmt, torch_fp8, q_block, kv_block, tuple(n for n, _ in given), causal,
+                       softmax_scale, window_size, softcap, dropout_p, dropout_seed, dropout_offset, impl)
+            checked = _checked(call, options, check)
+        else:
+            checked = check()
+        dims, out_dims, scale, window, nq, nk, launch_q_block, launch_kv_block = checked
         b, h, hk = dims.batch, dims.heads, dims.kv_heads
-        kv_side = (hk, "kv_heads", dims.seqlen_k, "seqlen_k", kv_block, "kv_block")
-        sides = {"q_descale": (h, "heads", dims.seqlen_q, "seqlen_q", q_block, "q_block"),
-                 "k_descale": kv_side, "v_descale": kv_side}
-        n = dict.fromkeys(sides, 1)  # entries per (batch, head); 1 for a descale not given
-        for name, _ in given:
-            n[name] = _check_descale(spec[name], b, *sides[name], descale_block, spec["q"])
-        nk = max(n["k_descale"], n["v_descale"])
-        if nk > 1 and kv_block % fa3.FP8_BLOCK_N:
-            per_block = "k_descale" if n["k_descale"] > 1 else "v_descale"
-            raise ValueError(f"descale_block={(q_block, kv_block)}: kv_block must be a multiple of "
-                             f"{fa3.FP8_BLOCK_N} (the FP8 kernel's key tile) when {per_block} has one scale per "
-                             "block of keys")
-
-        from .api import _supports_arch
-
-        why = _supports_arch(fa3, _device.compute_capability(call.device.id))
-        if why is not None:
-            raise ValueError(f"FP8 attention runs on FA3's Hopper kernel, which cannot run on q's device "
-                             f"{call.device.id}: {why}")
+        arr = dict(zip((name for name, _ in named + given), call.arrays))
 
         def kernel_scale(name, shape):
             """A contiguous fp32 descale of ``shape``: the given one (a per-tensor k or v scale broadcast to
@@ -214,13 +229,11 @@ def forward(q, k, v, *, q_descale, k_descale, v_descale, fp8_format, descale_blo
                 return cupy.ones(shape, dtype=cupy.float32)
             return cupy.ascontiguousarray(cupy.broadcast_to(arr[name], shape))
 
-        q_scale = kernel_scale("q_descale", (b, h, n["q_descale"]))
+        q_scale = kernel_scale("q_descale", (b, h, nq))
         k_scale = kernel_scale("k_descale", (b, hk, nk))
         v_scale = kernel_scale("v_descale", (b, hk, nk))
-        q_block, kv_block = launch_blocks(dims, n["q_descale"], nk, q_block, kv_block)
-        out_dims = dataclasses.replace(dims, dtype="bfloat16")  # the kernel's dims carry the output's dtype
         out = cupy.empty((b, dims.seqlen_q, h, dims.headdim), dtype="bfloat16")
         lse = cupy.empty((b, h, dims.seqlen_q), dtype=cupy.float32)
-        fa3.forward_fp8(arr["q"], arr["k"], arr["v"], out, lse, q_scale, k_scale, v_scale, q_block, kv_block,
-                        out_dims, window, scale, call.stream)
+        fa3.forward_fp8(arr["q"], arr["k"], arr["v"], out, lse, q_scale, k_scale, v_scale, launch_q_block,
+                        launch_kv_block, out_dims, window, scale, call.stream)
         return (call.wrap(out), call.wrap(lse)) if return_lse else call.wrap(out)

@@ -1,7 +1,8 @@
 """Tile sizes and implementation choice: short tables, each row with the reason for it.
 
 The kernels take these as compile-time constants (see cuflash/_jit.py); a new kernel family adds a
-table here and a line to ``choose_impl``.
+table here and its name to ``IMPL_PREFERENCE``. The FA3 calls read them when they plan a layout (cuflash.fa3's
+plans, memoised per layout): after editing a table at run time, ``cuflash.clear_plans()``.
 """
 from __future__ import annotations
 

@@ -79,21 +79,25 @@ from contextlib import ExitStack, contextmanager
 
 import cupy
 
+import cuflash
 from cuflash import _validate, fa3, heuristics, tile_order
 
 
 @contextmanager
 def tables_edited(tables, edit):
-    """``edit(table)`` applied to each of ``tables`` (dicts the package reads at each call), undone after."""
+    """``edit(table)`` applied to each of ``tables`` (dicts the package reads when it plans a call's layout),
+    undone after; the plans made under either are forgotten."""
     saved = [dict(t) for t in tables]
     for table in tables:
         edit(table)
+    cuflash.clear_plans()
     try:
         yield
     finally:
         for table, old in zip(tables, saved):
             table.clear()
             table.update(old)
+        cuflash.clear_plans()
 
 
 def fp8_tiles(d, tiles):
@@ -121,8 +125,8 @@ def fp8_configs(d):
 
 @contextmanager
 def defines_added(builder: str, *defines):
-    """Variants from fa3.<builder> (fwd_variant, bwd_variant) get ``defines`` too: fa3's launchers look the
-    builder up at each call."""
+    """Variants from fa3.<builder> (fwd_variant, bwd_variant) get ``defines`` too: fa3 looks the builder up
+    when it plans a call's layout (the plans made under either are forgotten)."""
     built = getattr(fa3, builder)
 
     def variant(*args, **kwargs):
@@ -130,10 +134,12 @@ def defines_added(builder: str, *defines):
         return dataclasses.replace(v, defines=v.defines + defines)
 
     setattr(fa3, builder, variant)
+    cuflash.clear_plans()
     try:
         yield
     finally:
         setattr(fa3, builder, built)
+        cuflash.clear_plans()
 
 
 def bwd_defines(*defines):
@@ -670,13 +676,15 @@ def bwd_split_sdp(rounds, reps):
 
 @contextmanager
 def replaced(owner, name, value):
-    """``owner.name`` is ``value`` inside the block."""
+    """``owner.name`` is ``value`` inside the block (the plans made under either are forgotten)."""
     saved = getattr(owner, name)
     setattr(owner, name, value)
+    cuflash.clear_plans()
     try:
         yield
     finally:
         setattr(owner, name, saved)
+        cuflash.clear_plans()
 
 
 def short_masked_rows_at(seqlen):

@@ -46,8 +46,9 @@ def main():
                         order = list(range(len(budgets) - 1))
                         order = order[r % len(order):] + order[:r % len(order)] + [len(budgets) - 1]
                         for i in order:
-                            # (cuflash.fa3 reads the tables per call)
+                            # (cuflash.fa3 reads the tables when it plans a layout: forget the plans)
                             heuristics.FA3_L2_SECTION_KIB, heuristics.FA3_L2_SECTION_KIB_LONG = {}, budgets[i] * 1024
+                            cuflash.clear_plans()
                             times[i].append(time_fn(
                                 lambda: cuflash.flash_attn_func(q, k, v, causal=causal, impl="fa3"), 2, args.reps))
                     cells = []
@@ -69,6 +70,7 @@ def main():
                     print(f"d={d:3d} N={n:5d} causal={causal!s:5} " + " | ".join(cells), flush=True)
     finally:
         heuristics.FA3_L2_SECTION_KIB, heuristics.FA3_L2_SECTION_KIB_LONG = table, long
+        cuflash.clear_plans()
 
 
 if __name__ == "__main__":

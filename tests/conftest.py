@@ -13,6 +13,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test plans its calls afresh: tests edit cuflash.heuristics' tables and patch planning functions,
+    which memoised checks and plans (cuflash.clear_plans) would otherwise outlive."""
+    import cuflash
+
+    cuflash.clear_plans()
+    yield
+    cuflash.clear_plans()
+
+
 @pytest.fixture
 def poison_allocations():
     """Every CuPy allocation inside the test starts as NaN bytes (0xFF..), so an output element the

@@ -635,6 +635,8 @@ class _ReachedKernel(Exception):
 class _SpecCall:
     """Stand-in for cuflash._interop.Call: the 'arrays' are Spec records, named by the call."""
 
+    layout = None  # (no layout key: every call is checked, never taken from cuflash.api's memo)
+
     def __init__(self, named_arrays, *args, **kwargs):
         self.specs = [dataclasses.replace(a, name=n) for n, a in named_arrays]
         self.arrays = list(self.specs)

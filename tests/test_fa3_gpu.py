@@ -376,9 +376,13 @@ def test_backward_deterministic_dq_planes(monkeypatch, poison_allocations, d, pl
 
     monkeypatch.setattr(fa3, "bwd_dq_accumulators", lambda dims, window, plane_bytes, det: planes if det else 1)
     monkeypatch.setattr(heuristics, "FA3_BWD_ROTATE_SM_FRACTION", 0.0)  # (unmasked: the descending order too)
-    seen = []
-    convert = _bwd_aux.convert_dq
-    monkeypatch.setattr(_bwd_aux, "convert_dq", lambda *a, **kw: (seen.append(kw["planes"]), convert(*a, **kw)))
+    seen = []  # the planes each launched dQ conversion sums (its params struct's accum_planes)
+    launch = fa3._BackwardPlan.launch
+
+    def spy(plan, *args, **kwargs):
+        seen.append(int(np.frombuffer(plan.convert.template, _bwd_aux.PARAMS)["accum_planes"][0]))
+        return launch(plan, *args, **kwargs)
+    monkeypatch.setattr(fa3._BackwardPlan, "launch", spy)
     options = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(300, 40))}[mask]
     q, k, v = _inputs(np.random.default_rng(), 1, 1100, 1300, 3, 1, d, "bfloat16")
     dout, out, lse, first = check_backward("fa3", q, k, v, deterministic=True, **options)

@@ -461,9 +461,10 @@ def test_tail_split_only_where_the_model_gains():
 
 @pytest.mark.parametrize("d,dv", [(64, None), (128, None), (128, 64), (256, None), (256, 128), (96, None)])
 def test_fill_tail_sizes_the_partials_as_the_kernel_indexes_them(monkeypatch, d, dv):
-    """cuflash.fa3.fill_tail (host only, CuPy's allocations faked): the tail_* fields are tail_split's, the
-    partials hold every slot's (tail tiles x slots x consumers) OD / 8 + 1 float4 for 128 threads
-    (fa3/fwd.cu partial_of), one flag each, and every call gets a new non-zero tag."""
+    """cuflash.fa3.fill_tail (host only, CuPy's allocations faked): the tail_* fields are tail_split's, and
+    the TailSplit it returns allocates per call partials that hold every slot's (tail tiles x slots x
+    consumers) OD / 8 + 1 float4 for 128 threads (fa3/fwd.cu partial_of), one flag each, and a new non-zero
+    tag each call."""
     import sys
     from unittest import mock
 
@@ -483,20 +484,20 @@ def test_fill_tail_sizes_the_partials_as_the_kernel_indexes_them(monkeypatch, d,
     t = fa3.fwd_tiles(d, unmasked=True)
     block_m, grid, n = fa3.fwd_block_m(t), 132, 4096
     dims = _validate.Dims(16384 // n, n, n, 2048 // d, 2048 // d, d, "bfloat16", headdim_v=dv)
-    tags = []
-    for _ in range(2):
-        p = np.zeros(1, fa3.PARAMS)
-        assert fa3.fill_tail(p, dims, block_m, t, grid) is not None
-        m_blocks = -(-n // block_m)
-        k_blocks = -(-n // t.block_n)
-        start, units, slots = tile_order.tail_split(m_blocks * dims.heads * dims.batch, grid, k_blocks)
-        assert (int(p["tail_start"][0]), int(p["tail_units"][0]), int(p["tail_k_blocks"][0]),
-                int(p["tail_slots"][0])) == (start, units, k_blocks, slots)
-        partials, flags = made[-2:]
-        entries = (m_blocks * dims.heads * dims.batch - start) * slots * t.consumers
-        od = -(-(dv or d) // 64) * 64
+    p = np.zeros(1, fa3.PARAMS)
+    split = fa3.fill_tail(p, dims, block_m, t, grid)
+    assert split is not None
+    m_blocks = -(-n // block_m)
+    k_blocks = -(-n // t.block_n)
+    start, units, slots = tile_order.tail_split(m_blocks * dims.heads * dims.batch, grid, k_blocks)
+    assert (int(p["tail_start"][0]), int(p["tail_units"][0]), int(p["tail_k_blocks"][0]),
+            int(p["tail_slots"][0])) == (start, units, k_blocks, slots)
+    entries = (m_blocks * dims.heads * dims.batch - start) * slots * t.consumers
+    od = -(-(dv or d) // 64) * 64
+    calls = [split.buffers() for _ in range(2)]
+    for partials, flags, _ in calls:
         assert partials.size == entries * (od // 8 + 1) * 128 * 4 and partials.dtype == np.float32
         assert flags.size == entries and flags.dtype == np.uint64
-        assert int(p["tail_partials"][0]) == partials.data.ptr and int(p["tail_flags"][0]) == flags.data.ptr
-        tags.append(int(p["tail_tag"][0]))
+    assert calls[0][0] is not calls[1][0] and calls[0][1] is not calls[1][1]
+    tags = [tag for _, _, tag in calls]
     assert 0 not in tags and tags[0] != tags[1]
