@@ -11,6 +11,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              which reached 1016-1059 TF/s there), with and without the pingpong; the row maxima in 4 FMNMX
              chains (CUFLASH_MAX_CHAINS 4). Session 11 measured three stages, the pingpong switched and
              exp2_emu 8 / 4 too: none beat the table.
+  fp8-wide-pingpong  FP8 forward d = 128 N = 2k, 8k, 16k, causal and not, descales per 256: the 256-key tiles
+             (FA3_FP8_TILES_WIDE) with the pingpong (the table) against without
   fp8-d128-keys  FP8 forward d = 128 N = 8k and 16k, causal and not, K / V descales per 256 keys: the
              128-key tiles of FA3_FP8_TILES_LONG (intra-warpgroup overlap, no pingpong) against the 256-key
              tiles of FA3_FP8_TILES_WIDE (no overlap, pingpong)
@@ -68,7 +70,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              model chooses (cuflash/tile_order.py) against the kernel's rule before session 16 (one section
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
-    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
+    python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-wide-pingpong] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
         [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
@@ -177,7 +179,8 @@ def list_variants() -> list:
             with config():  # (the experiments' calls have 8k rows and 128-key descale blocks: the long-row tiles)
                 out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, long_rows=True, kv_block=fa3.FP8_BLOCK_N))
     fp8_wide = fp8_speculative(128, heuristics.FA3_FP8_TILES_WIDE[128])
-    for config in list(fp8_keys_configs().values()) + list(fp8_wide.values()):
+    for config in (list(fp8_keys_configs().values()) + list(fp8_wide.values())
+                   + list(fp8_wide_pingpong_configs().values())):
         for unmasked in (False, True):
             with config():
                 out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
@@ -281,6 +284,19 @@ def fp8_keys_configs():
     # (2 max chains and exp2_emu 8 / 4 on the 256-key tiles made ptxas serialise their wgmma: not measured)
     long, wide = heuristics.FA3_FP8_TILES_LONG[128], heuristics.FA3_FP8_TILES_WIDE[128]
     return {"128 keys": lambda: fp8_tiles(128, long), "256 keys": lambda: fp8_tiles(128, wide)}
+
+
+def fp8_wide_pingpong_configs():
+    """FP8 d = 128's 256-key tiles (FA3_FP8_TILES_WIDE) with and without the pingpong: without, both consumers'
+    exponentials reach the SFU at once, as cuDNN's FP8 kernel's MUFU "mio" stalls suggest its do (ncu, session
+    30). Clean under NVRTC 13.0 (the H200's); without the pingpong ptxas 13.5 serialises the wgmma."""
+    wide = heuristics.FA3_FP8_TILES_WIDE[128]
+    return {"table (pingpong)": lambda: fp8_tiles(128, wide),
+            "no pingpong": lambda: fp8_tiles(128, dataclasses.replace(wide, pingpong=not wide.pingpong))}
+
+
+def fp8_wide_pingpong(rounds, reps):
+    fp8_shapes(128, (2048, 8192, 16384), 256, fp8_wide_pingpong_configs(), rounds, reps, qblock=256)
 
 
 def fp8_speculative(d, tiles):
@@ -885,7 +901,7 @@ def main():
         return
     runs = {"fp8-d128": lambda *a: fp8_forward(128, *a), "fp8-d64": lambda *a: fp8_forward(64, *a),
             "fp8-scaling": fp8_scaling, "fp8-d128-keys": fp8_keys, "fp8-d128-blocks": fp8_keys_blocks, "fp8-d128-spec": lambda *a: fp8_spec((128,), (2048, 8192, 16384), 256, heuristics.FA3_FP8_TILES_WIDE.get, *a),
-            "fp8-d64-wide": fp8_d64_wide, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
+            "fp8-d64-wide": fp8_d64_wide, "fp8-wide-pingpong": fp8_wide_pingpong, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
             "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
