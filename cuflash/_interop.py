@@ -99,8 +99,9 @@ class Call:
     """Context for one public call: converts inputs, sets the stream, converts outputs back.
 
     ``layout``: what the checks of a call read of its arrays -- each one's shape, strides, dtype, device and
-    whether its data is 16-byte aligned -- as a hashable key, so that a call like one checked before can
-    skip its checks (cuflash.api); stand-ins without real arrays set it to None (never memoised).
+    whether its data is 16-byte aligned -- as a hashable key (built when asked for), so that a call like one
+    checked before can skip its checks (cuflash.api); stand-ins without real arrays set it to None (never
+    memoised).
     ``specs``: the arrays' Spec records, built on first use.
     """
 
@@ -122,8 +123,11 @@ class Call:
             with self.device, self.stream:
                 self.arrays = [x if isinstance(x, cupy.ndarray) else cupy.from_dlpack(_exportable(x))
                                for _, x in named_arrays]
-        self.layout = tuple((a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr % 16) for a in self.arrays)
         self._specs = None
+
+    @property
+    def layout(self) -> tuple:
+        return tuple((a.shape, a.strides, a.dtype, a.data.device_id, a.data.ptr % 16) for a in self.arrays)
 
     @property
     def specs(self) -> list[Spec]:

@@ -215,14 +215,16 @@ def _types(x):
     return (tuple, tuple(map(_types, x))) if type(x) is tuple else type(x)
 
 
-def _checked(call, options: tuple, check):
+def _checked(call, options: tuple, check, alibi_slopes=None):
     """``check()``'s result for ``call`` with ``options``, memoised (see _CHECKED); unmemoised when the call
-    has no layout key or an option is unhashable (a list for window_size)."""
+    has no layout key, an option is unhashable (a list for window_size) or it has ALiBi slopes (its plan holds
+    the slopes array itself)."""
     from ._device import compute_capability
 
-    if call.layout is None:
+    layout = None if alibi_slopes is not None else call.layout
+    if layout is None:
         return check()
-    key = (call.layout, compute_capability(call.device.id), options, _types(options))
+    key = (layout, compute_capability(call.device.id), options, _types(options))
     try:
         result = _CHECKED.get(key)
     except TypeError:
@@ -287,12 +289,8 @@ def flash_attn_func(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                dropout_offset=dropout_offset)
 
-        if alibi_slopes is None:  # (slopes are an array: checked every call)
-            options = ("forward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed,
-                       dropout_offset)
-            dims, plan = _checked(call, options, check)
-        else:
-            dims, plan = check()
+        options = ("forward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed, dropout_offset)
+        dims, plan = _checked(call, options, check, alibi_slopes)
         qa, ka, va = call.arrays[:3]
         out = cupy.empty((dims.batch, dims.seqlen_q, dims.heads, dims.dv), dtype=qa.dtype)
         lse = cupy.empty((dims.batch, dims.heads, dims.seqlen_q), dtype=cupy.float32)
@@ -330,12 +328,9 @@ def flash_attn_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                dropout_offset=dropout_offset, deterministic=deterministic)
 
-        if alibi_slopes is None:  # (slopes are an array: checked every call)
-            options = ("backward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed,
-                       dropout_offset, deterministic)
-            dims, plan = _checked(call, options, check)
-        else:
-            dims, plan = check()
+        options = ("backward", impl, causal, softmax_scale, window_size, softcap, dropout_p, dropout_seed,
+                   dropout_offset, deterministic)
+        dims, plan = _checked(call, options, check, alibi_slopes)
         qa, ka, va, oa, doa, lsea = call.arrays[:6]
         dq = cupy.empty_like(qa)
         dk = cupy.empty((dims.batch, dims.seqlen_k, dims.kv_heads, dims.headdim), dtype=qa.dtype)

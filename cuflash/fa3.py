@@ -339,7 +339,8 @@ class _ForwardPlan:
     def launch(self, q, k, v, out, lse, stream, cu_seqlens) -> None:
         maps = [_tma.encoded(a.data.ptr, layout) for a, layout in zip((q, k, v, out), self.maps)]
         cu_q, cu_k = cu_seqlens or (None, None)
-        values = [out.data.ptr, lse.data.ptr, 0 if cu_q is None else cu_q.data.ptr, 0 if cu_k is None else cu_k.data.ptr]
+        values = [out.data.ptr, lse.data.ptr, 0 if cu_q is None else cu_q.data.ptr,
+                  0 if cu_k is None else cu_k.data.ptr]
         tail = self.tail.buffers() if self.tail is not None else None
         if tail is not None:
             values += [tail[0].data.ptr, tail[1].data.ptr, tail[2]]

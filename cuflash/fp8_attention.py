@@ -210,14 +210,12 @@ def forward(q, k, v, *, q_descale, k_descale, v_descale, fp8_format, descale_blo
             out_dims = dataclasses.replace(dims, dtype="bfloat16")  # the kernel's dims carry the output's dtype
             return dims, out_dims, scale, window, n["q_descale"], nk, launch_q_block, launch_kv_block
 
-        if alibi_slopes is None:  # (refused below when given: checked every call)
-            from .api import _checked
+        from .api import _checked
 
-            options = ("fp8 forward", fmt, torch_fp8, q_block, kv_block, tuple(n for n, _ in given), causal,
-                       softmax_scale, window_size, softcap, dropout_p, dropout_seed, dropout_offset, impl)
-            checked = _checked(call, options, check)
-        else:
-            checked = check()
+        options = ("fp8 forward", fmt, torch_fp8, q_block, kv_block, tuple(n for n, _ in given), causal,
+                   softmax_scale, window_size, softcap, dropout_p, dropout_seed, dropout_offset, impl)
+        # (given ALiBi slopes, check() refuses the call every time)
+        checked = _checked(call, options, check, alibi_slopes)
         dims, out_dims, scale, window, nq, nk, launch_q_block, launch_kv_block = checked
         b, h, hk = dims.batch, dims.heads, dims.kv_heads
         arr = dict(zip((name for name, _ in named + given), call.arrays))

@@ -231,7 +231,8 @@ def test_unkeyed_calls_and_unhashable_options_are_checked_every_time(counted_che
     for _ in range(2):
         api._checked(_KeyedCall(None), ("forward",), check)
         api._checked(_KeyedCall(("layout",)), ("forward", [-1, -1]), check)  # a list window_size
-    assert len(seen) == 4
+        api._checked(_KeyedCall(("layout",)), ("forward",), check, alibi_slopes=object())  # (its plan holds them)
+    assert len(seen) == 6
 
 
 def test_a_refused_call_is_not_remembered(counted_check):
