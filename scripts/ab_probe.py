@@ -12,7 +12,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              chains (CUFLASH_MAX_CHAINS 4). Session 11 measured three stages, the pingpong switched and
              exp2_emu 8 / 4 too: none beat the table.
   fp8-wide-pingpong  FP8 forward d = 128 N = 2k, 8k, 16k, causal and not, descales per 256: the 256-key tiles
-             (FA3_FP8_TILES_WIDE) with the pingpong (the table) against without
+             (FA3_FP8_TILES_WIDE) with the pingpong against without, and without with the turn fence
+             (fwd.cu CUFLASH_TURN_FENCE); d = 64 / 256 8k: their WIDE tiles with and without the fence
   fp8-d128-keys  FP8 forward d = 128 N = 8k and 16k, causal and not, K / V descales per 256 keys: the
              128-key tiles of FA3_FP8_TILES_LONG (intra-warpgroup overlap, no pingpong) against the 256-key
              tiles of FA3_FP8_TILES_WIDE (no overlap, pingpong)
@@ -63,6 +64,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
   fwd-row-shift  FA3 forward bf16 causal d = 64 N = 2k, 4k, 8k and d = 128 2k: the spare rows of a length
              that is no multiple of the tile before row 0 (tile_order.row_shift, as built) against after the
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
+  fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
+             the tables against the pingpong switched, and at d = 64 two consumer warpgroups
   bwd-row-shift  FA3 backward d = 64 and 128, N = 2k and 4k, causal and not: the spare rows of the last Q
              block before row 0 (tile_order.bwd_row_shift, as built) against none (non-causal takes no
              shift: an A/A check)
@@ -71,7 +74,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-wide-pingpong] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -185,6 +188,12 @@ def list_variants() -> list:
             with config():
                 out.append(fa3.fwd_variant(128, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
                                            kv_block=256))
+    for d in (64, 256):  # fp8_wide_pingpong's
+        for config in fp8_fence_configs(d).values():
+            for unmasked in (False, True):
+                with config():
+                    out.append(fa3.fwd_variant(d, "bfloat16", fp8=True, unmasked=unmasked, long_rows=True,
+                                               kv_block=256))
     for config in fp8_d64_wide_configs().values():
         with config():
             out.append(fa3.fwd_variant(64, "bfloat16", fp8=True, long_rows=True, kv_block=256))
@@ -228,6 +237,10 @@ def list_variants() -> list:
     for changes in ({"intra_wg_overlap": False, "pingpong": True}, {"intra_wg_overlap": False, "pingpong": False}):
         with fa3_tiles_at(128, **changes):  # fwd_d128_overlap's
             out += bf16_forward_variants(128, D128_CASES)
+    for d in (64, 128):  # fwd_short's
+        for config in fwd_short_configs(d).values():
+            with config():
+                out += bf16_forward_variants(d, SHORT_CASES)
     return list(dict.fromkeys(out))
 
 
@@ -291,12 +304,36 @@ def fp8_wide_pingpong_configs():
     exponentials reach the SFU at once, as cuDNN's FP8 kernel's MUFU "mio" stalls suggest its do (ncu, session
     30). Clean under NVRTC 13.0 (the H200's); without the pingpong ptxas 13.5 serialises the wgmma."""
     wide = heuristics.FA3_FP8_TILES_WIDE[128]
-    return {"table (pingpong)": lambda: fp8_tiles(128, wide),
-            "no pingpong": lambda: fp8_tiles(128, dataclasses.replace(wide, pingpong=not wide.pingpong))}
+    no_pingpong = dataclasses.replace(wide, pingpong=False)
+
+    @contextmanager
+    def fenced():
+        with fp8_tiles(128, no_pingpong), defines_added("fwd_variant", *TURN_FENCE):
+            yield
+
+    return {"table (pingpong)": lambda: fp8_tiles(128, dataclasses.replace(wide, pingpong=True)),
+            "no pingpong": lambda: fp8_tiles(128, no_pingpong), "no pingpong, turn fence": fenced}
+
+
+# fwd.cu CUFLASH_TURN_FENCE: without the pingpong, a compiler fence where a consumer would wait for its turn
+# (FP8 d = 128's 256-key tiles: ptxas 13.5 then allocates them without serialising the wgmma)
+TURN_FENCE = (("CUFLASH_TURN_FENCE", 1),)
+
+
+def fp8_fence_configs(d):
+    """FP8 at head dim d on its WIDE tiles (no pingpong at d = 64 / 256) with and without the turn fence."""
+    @contextmanager
+    def fenced():
+        with fp8_tiles(d, heuristics.FA3_FP8_TILES_WIDE[d]), defines_added("fwd_variant", *TURN_FENCE):
+            yield
+
+    return {"table": lambda: fp8_tiles(d, heuristics.FA3_FP8_TILES_WIDE[d]), "turn fence": fenced}
 
 
 def fp8_wide_pingpong(rounds, reps):
     fp8_shapes(128, (2048, 8192, 16384), 256, fp8_wide_pingpong_configs(), rounds, reps, qblock=256)
+    for d in (64, 256):
+        fp8_shapes(d, (8192,), 256, fp8_fence_configs(d), rounds, reps, qblock=256)
 
 
 def fp8_speculative(d, tiles):
@@ -844,6 +881,24 @@ def fwd_row_shift(rounds, reps):
         fwd_interleaved(d, n, True, configs, rounds, reps)
 
 
+SHORT_CASES = [(n, causal) for n in (512, 1024) for causal in (False, True)]
+
+
+def fwd_short_configs(d):
+    # (session 31 also measured the next tile's Q, and its first K / V, prefetched into L2 by the producer
+    # (cp.async.bulk.prefetch.tensor): level or 1-6 % slower at every cell; removed)
+    configs = {"table": as_is, "pingpong switched": lambda: pingpong_switched(d)}
+    if d == 64:
+        configs["2 warpgroups"] = lambda: short_masked_rows_at(1 << 30)  # (causal; unmasked rows: FA3_TILES_3WG still)
+    return configs
+
+
+def fwd_short(rounds, reps):
+    for d in (64, 128):
+        for n, causal in SHORT_CASES:
+            fwd_interleaved(d, n, causal, fwd_short_configs(d), rounds, reps)
+
+
 def old_tile_order():
     """fa3's launches take the scheduler's order by the kernel's rule before session 16: with a mask and
     fewer pairs than half the grid one section of every pair with the serpentine, else the budget's
@@ -904,7 +959,7 @@ def main():
             "fp8-d64-wide": fp8_d64_wide, "fp8-wide-pingpong": fp8_wide_pingpong, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
-            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "bwd-row-shift": bwd_row_shift}
+            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

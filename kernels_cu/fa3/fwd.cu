@@ -184,8 +184,19 @@ constexpr int EPILOGUE_BAR = PINGPONG_BAR + CONSUMERS;  // + consumer: the 128 t
 // CUFLASH_PINGPONG 0 leaves the consumers to issue whenever they are ready (a tuning switch: FP8's
 // GEMMs are half as long as bf16's, so the turns may cost more than they hide).
 constexpr bool PINGPONG = CUFLASH_PINGPONG;
+#ifndef CUFLASH_TURN_FENCE
+#define CUFLASH_TURN_FENCE 0
+#endif
+// Without the pingpong, TURN_FENCE leaves a compiler fence where a consumer would wait for its turn: it
+// keeps ptxas from moving the loop's loads and address arithmetic across it, which at the register file's
+// edge decides whether ptxas serialises the wgmma (FP8 d = 128 on 256-key tiles: NVRTC 13.5 does without
+// the fence, 13.0 does with a fence at the turn's hand-off too).
+constexpr bool TURN_FENCE = CUFLASH_TURN_FENCE;
 __device__ __forceinline__ void wait_my_turn(int c) {
-    if constexpr (PINGPONG) named_sync(PINGPONG_BAR + c, 256);
+    if constexpr (PINGPONG)
+        named_sync(PINGPONG_BAR + c, 256);
+    else if constexpr (TURN_FENCE)
+        asm volatile("" ::: "memory");
 }
 __device__ __forceinline__ void pass_the_turn(int c) {
     if constexpr (PINGPONG) named_arrive(PINGPONG_BAR + (c == CONSUMERS - 1 ? 0 : c + 1), 256);
