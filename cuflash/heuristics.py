@@ -173,6 +173,9 @@ class Fa3Tiles:
     # FP8 with the overlap: P_{n-1} through shared memory and O accumulated by the P V wgmma itself
     # (kernels_cu/fa3/fwd.cu P_SMEM) instead of P in registers and a fresh accumulator per tile
     p_smem: bool = False
+    # without the pingpong, a compiler fence where a consumer would wait for its turn (fwd.cu TURN_FENCE: how
+    # ptxas allocates registers at the register file's edge)
+    turn_fence: bool = False
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per
@@ -253,13 +256,20 @@ FA3_3WG_MIN_MASKED_SEQLEN = 1024
 #   tile_order's model now avoids). d = 64 (three consumer warpgroups,
 #   192-row tiles) goes the other way: 2k 459 at 32 MiB, 447 at 8, 381 at 2; causal level. d = 96 / 192
 #   follow d = 128 / 256 (not measured).
+#   session 31, N = 512 / 1k (the short cells' 32 MiB rows were chosen in session 16, when the host path, not
+#   the kernel, timed those calls), TF/s at 1 / 2 / 4 / 8 / 32 MiB (cuDNN): d = 128 512 488 / 483 / 480 /
+#   479 / 455 (537), causal 319 / 314 / 308 / 307 / 299 (344); 1k 570 / 574 / 574 / 566 / 527 (608), causal
+#   438 / 435 / 418 / 420 / 420 (438) -- ncu at 512 read K / V ~1.6 times from device memory with 32 MiB (128
+#   pairs: a pair's four query blocks run in four different rounds). d = 64 512 333 / 336 / 343 / 341 / 342,
+#   causal 213 / 213 / 215 / 218 / 210; 1k 379 / 398 / 399 / 402 / 402, causal 297 / 302 / 304 / 304 / 300.
 FA3_L2_SECTION_KIB = {
-    96: ((1024, 32 * 1024), (4096, 2 * 1024)),
-    128: ((1024, 32 * 1024), (4096, 2 * 1024)),
+    64: ((1024, 8 * 1024),),
+    96: ((512, 1024), (4096, 2 * 1024)),
+    128: ((512, 1024), (4096, 2 * 1024)),
     192: ((1 << 30, 2 * 1024),),
     256: ((1 << 30, 2 * 1024),),
 }
-FA3_L2_SECTION_KIB_LONG = 32 * 1024  # and every length at d = 64
+FA3_L2_SECTION_KIB_LONG = 32 * 1024  # and d = 64 beyond 1k
 FA3_FP8_L2_SECTION_KIB = 32 * 1024  # (not measured below 32 MiB)
 # ... except that with a mask and fewer pairs than half the grid tile_order.choose may take one section of
 # every pair where its balance model rates that better; not where the blocks would then stream more than this
@@ -325,9 +335,9 @@ FA3_FP8_TILES_LONG = {
 FA3_FP8_LONG_MIN_SEQLEN = 2048
 # FP8 calls with long rows whose K/V descale blocks are whole multiples of these tiles' keys take them (the
 # kernel reads one K and one V descale per tile): d = 128 on 256-key tiles without the intra-warpgroup
-# overlap (S 128 + O 64 + P 32 registers; P V through S's), with the pingpong. Each consumer's softmax then
-# runs alone on its sub-partitions while the other's GEMMs run, and its fixed costs per tile (the row
-# maxima's chains and quad shuffles, the GEMM waits, O's FFMA) spread over twice the keys; FlashAttention-3
+# overlap (S 128 + O 64 + P 32 registers; P V through S's; measured first with the pingpong, below without):
+# a tile's fixed costs (the row maxima's chains and quad shuffles, the GEMM waits, O's FFMA) spread over
+# twice the keys; FlashAttention-3
 # uses 224. Measured on the H200 (scripts/ab_probe.py fp8-d128-keys / fp8-d128-blocks, interleaved rounds,
 # TF/s, FA3_FP8_TILES_LONG's 128-key tiles -> these): N = 8k 797 -> 897, causal 771 -> 810, 16k 808 -> 881,
 # causal 760 -> 823; another run 8k 793 -> 863 (K / V blocks of 256), 865 per tensor. A tile that spans two
@@ -346,9 +356,17 @@ FA3_FP8_LONG_MIN_SEQLEN = 2048
 # causal 984 -> 1071, 16k 999 -> 1138, causal 938 -> 1131 (with the pingpong 0-3 % less). The same at d = 128
 # (256 keys) measured level with these tables (no pingpong 855 / 807 / 873 against 859 / 797 / 888 at 8k,
 # causal 8k, 16k) and at d = 64 8-20 % slower: not taken there.
+# d = 128's 256-key tiles without the pingpong since session 31: both consumers' exponentials then reach the
+# SFU together (as cuDNN's FP8 kernel's do: its MUFU stalls are "mio", the SFU's queue full, ours with the
+# pingpong "wait", one warp paced at the SFU's rate). NVRTC 13.5 serialises that variant's wgmma unless a
+# compiler fence sits where the turn would be taken (turn_fence; clean under 13.0 either way). H200
+# (scripts/ab_probe.py fp8-wide-pingpong, 3 rounds, TF/s, pingpong / none / none + fence): N = 2k 722 / 755 /
+# 752, causal 539 / 559 / 559; 8k 853 / 889 / 873, causal 821 / 830 / 849; 16k 873 / 904 / 888, causal 785 /
+# 843 / 825 (an earlier call, pingpong / none: 8k 861 / 915, 16k 868 / 907). The fence on d = 64's and 256's
+# tables' tiles lost 1-10 % (d = 64 8k 571 -> 514): they keep none.
 FA3_FP8_TILES_WIDE = {
     64: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=False),
-    128: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=True),
+    128: Fa3Tiles(block_n=256, stages=2, intra_wg_overlap=False, pingpong=False, turn_fence=True),
     256: Fa3Tiles(block_n=128, stages=2, intra_wg_overlap=True, pingpong=False, p_smem=True),
 }
 # P_SMEM tiles keep O in the FP8 wgmma's accumulator, which keeps ~14 bits of what it adds to, so O loses

@@ -303,7 +303,7 @@ def fp8_wide_pingpong_configs():
     """FP8 d = 128's 256-key tiles (FA3_FP8_TILES_WIDE) with and without the pingpong: without, both consumers'
     exponentials reach the SFU at once, as cuDNN's FP8 kernel's MUFU "mio" stalls suggest its do (ncu, session
     30). Clean under NVRTC 13.0 (the H200's); without the pingpong ptxas 13.5 serialises the wgmma."""
-    wide = heuristics.FA3_FP8_TILES_WIDE[128]
+    wide = dataclasses.replace(heuristics.FA3_FP8_TILES_WIDE[128], turn_fence=False)
     no_pingpong = dataclasses.replace(wide, pingpong=False)
 
     @contextmanager
@@ -890,6 +890,10 @@ def fwd_short_configs(d):
     configs = {"table": as_is, "pingpong switched": lambda: pingpong_switched(d)}
     if d == 64:
         configs["2 warpgroups"] = lambda: short_masked_rows_at(1 << 30)  # (causal; unmasked rows: FA3_TILES_3WG still)
+        # unmasked rows on two warpgroups (N = 512 is 2 x 192 + 128 rows on three: a tile in three a third empty)
+        configs["2 wg unmasked"] = lambda: tables_edited((heuristics.FA3_TILES_3WG,), lambda table: table.pop(64))
+        configs["2 wg unmasked, 128 keys"] = lambda: tables_edited(
+            (heuristics.FA3_TILES_3WG, heuristics.FA3_TILES_UNMASKED), lambda table: table.pop(64))
     return configs
 
 
