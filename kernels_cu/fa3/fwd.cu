@@ -192,6 +192,13 @@ constexpr bool PINGPONG = CUFLASH_PINGPONG;
 // edge decides whether ptxas serialises the wgmma (FP8 d = 128 on 256-key tiles: NVRTC 13.5 does without
 // the fence, 13.0 does with a fence at the turn's hand-off too).
 constexpr bool TURN_FENCE = CUFLASH_TURN_FENCE;
+#ifndef CUFLASH_IDLE_WG_SKIP
+#define CUFLASH_IDLE_WG_SKIP (CUFLASH_CONSUMERS == 3)
+#endif
+// A consumer warpgroup with no row of the sequence sits the tile out (idle_through_tile): with three of them
+// (192-row tiles) a tile's last 64 rows are past the end at N = 512, 1k (1024 = 5 x 192 + 64: two of three)
+// and other lengths, or before row 0 (the row shift). Two-warpgroup tiles (128 rows) leave it out.
+constexpr bool IDLE_WG_SKIP = CUFLASH_IDLE_WG_SKIP;
 __device__ __forceinline__ void wait_my_turn(int c) {
     if constexpr (PINGPONG)
         named_sync(PINGPONG_BAR + c, 256);
@@ -614,6 +621,30 @@ struct DescaleCursor {
     }
 };
 
+// IDLE_WG_SKIP: a consumer warpgroup whose 64 rows all lie outside the sequence (past its end: N = 512 on
+// 192-row tiles is 2 x 192 + 128, so the last tile's third warpgroup has none; or before row 0, the row
+// shift's) computes nothing for the tile: it keeps step with the ring, the Q buffer and the turns exactly as
+// a computing warpgroup would (every K / V tile waited for and released, one turn per GEMM issue), so the
+// other warpgroups' GEMMs have the tensor cores to themselves.
+__device__ __forceinline__ void idle_through_tile(Smem& sm, int c, int lane, int k_tiles, int& i, int& q_iter) {
+    mbar_wait(&sm.q_full, q_iter++ & 1);
+    for (int n = 0; n < k_tiles; ++n, ++i) {
+        const int s = i % STAGES;
+        const u32 parity = (i / STAGES) & 1;
+        wait_my_turn(c);
+        mbar_wait(&sm.k_full[s], parity);
+        pass_the_turn(c);
+        mbar_wait(&sm.v_full[s], parity);
+        if (lane == 0) {
+            mbar_arrive(&sm.k_empty[s]);
+            mbar_arrive(&sm.v_empty[s]);
+            if (n + 1 == k_tiles) mbar_arrive(&sm.q_empty);
+        }
+    }
+    wait_my_turn(c);  // the last P V's turn
+    pass_the_turn(c);
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     fa3_fwd(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_o, const Fa3FwdParams p) {
@@ -740,6 +771,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         OnlineSoftmax softmax;
         if (n_lo == n_hi) {  // no visible key (a window that misses the sequence): O = 0, LSE = -inf
             store_output(p, o, softmax, 1.f, seq, qrow, qhead, q4, tile.batch);
+            continue;
+        }
+        if (IDLE_WG_SKIP && (wg_first >= seq.seqlen_q || wg_last < 0)) {
+            idle_through_tile(sm, c, lane, n_hi - n_lo, i, q_iter);
             continue;
         }
         // FP8: the Q descale of this thread's rows; the K and V descales of the tiles (O is held in units of
