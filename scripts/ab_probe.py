@@ -306,32 +306,21 @@ def fp8_keys_configs():
 def fp8_wide_pingpong_configs():
     """FP8 d = 128's 256-key tiles (FA3_FP8_TILES_WIDE) with and without the pingpong: without, both consumers'
     exponentials reach the SFU at once, as cuDNN's FP8 kernel's MUFU "mio" stalls suggest its do (ncu, session
-    30). Clean under NVRTC 13.0 (the H200's); without the pingpong ptxas 13.5 serialises the wgmma."""
+    30). Without the pingpong ptxas 13.5 serialises the wgmma unless the turn fence is in (the table's since
+    session 31); NVRTC 13.0 (the H200's) compiles all three clean."""
     wide = dataclasses.replace(heuristics.FA3_FP8_TILES_WIDE[128], turn_fence=False)
     no_pingpong = dataclasses.replace(wide, pingpong=False)
-
-    @contextmanager
-    def fenced():
-        with fp8_tiles(128, no_pingpong), defines_added("fwd_variant", *TURN_FENCE):
-            yield
-
     return {"table (pingpong)": lambda: fp8_tiles(128, dataclasses.replace(wide, pingpong=True)),
-            "no pingpong": lambda: fp8_tiles(128, no_pingpong), "no pingpong, turn fence": fenced}
-
-
-# fwd.cu CUFLASH_TURN_FENCE: without the pingpong, a compiler fence where a consumer would wait for its turn
-# (FP8 d = 128's 256-key tiles: ptxas 13.5 then allocates them without serialising the wgmma)
-TURN_FENCE = (("CUFLASH_TURN_FENCE", 1),)
+            "no pingpong": lambda: fp8_tiles(128, no_pingpong),
+            "no pingpong, turn fence": lambda: fp8_tiles(128, dataclasses.replace(no_pingpong, turn_fence=True))}
 
 
 def fp8_fence_configs(d):
-    """FP8 at head dim d on its WIDE tiles (no pingpong at d = 64 / 256) with and without the turn fence."""
-    @contextmanager
-    def fenced():
-        with fp8_tiles(d, heuristics.FA3_FP8_TILES_WIDE[d]), defines_added("fwd_variant", *TURN_FENCE):
-            yield
-
-    return {"table": lambda: fp8_tiles(d, heuristics.FA3_FP8_TILES_WIDE[d]), "turn fence": fenced}
+    """FP8 at head dim d on its WIDE tiles (no pingpong at d = 64 / 256) with and without the turn fence
+    (fwd.cu CUFLASH_TURN_FENCE: a compiler fence where a consumer would wait for its turn)."""
+    wide = heuristics.FA3_FP8_TILES_WIDE[d]
+    return {"table": lambda: fp8_tiles(d, wide),
+            "turn fence": lambda: fp8_tiles(d, dataclasses.replace(wide, turn_fence=True))}
 
 
 def fp8_wide_pingpong(rounds, reps):
