@@ -50,6 +50,25 @@ def fp8_whole_sequence_kv_block(seqlen_k: int) -> int:
     unit = math.lcm(FP8_BLOCK_N, *(t.block_n for table in tables for t in table.values()))
     return max(1, -(-seqlen_k // unit)) * unit
 
+# common/fast_divmod.cuh's FastDivmod and common/tile_scheduler.cuh's TileOrderDivisors
+FAST_DIVMOD = np.dtype([("divisor", np.uint32), ("multiplier", np.uint32), ("shift", np.uint32)], align=True)
+TILE_ORDER_DIVISORS = np.dtype([(n, FAST_DIVMOD) for n in ("section_tiles", "section", "last_section", "heads")],
+                               align=True)
+
+
+def fast_divmod(d: int) -> tuple[int, int, int]:
+    """FastDivmod(d)'s (divisor, multiplier, shift) (common/fast_divmod.cuh): n / d = (umulhi(n, m) + n) >> s."""
+    shift = (d - 1).bit_length()
+    return d, ((1 << 32) * ((1 << shift) - d) // d + 1) & 0xFFFFFFFF, shift
+
+
+def tile_order_divisors(m_blocks: int, heads: int, batch: int, section: int) -> tuple:
+    """The persistent scheduler's divisors for a call (common/tile_scheduler.cuh tile_order_divisors)."""
+    pairs = heads * batch
+    last_first_pair = (pairs - 1) // section * section
+    return tuple(fast_divmod(d) for d in (min(section, pairs) * m_blocks, section, pairs - last_first_pair, heads))
+
+
 PARAMS = np.dtype(
     pointer_fields("o", "lse", "cu_seqlens_q", "cu_seqlens_k")
     + [(f"o_{s}_stride", np.int64) for s in ("batch", "row", "head")]
@@ -57,7 +76,8 @@ PARAMS = np.dtype(
     + DIMS_FIELDS + [("scale_log2", np.float32), ("softcap_pre", np.float32)]
     + pointer_fields("q_descale", "k_descale", "v_descale")
     + [(n, np.int32) for n in ("q_descale_blocks", "q_descale_rows", "kv_descale_blocks", "kv_descale_tiles")]
-    + [("sched_section", np.int32), ("sched_serpentine", np.int32), ("row_shift", np.int32)]
+    + [("sched_section", np.int32), ("sched_serpentine", np.int32), ("sched_div", TILE_ORDER_DIVISORS),
+       ("row_shift", np.int32)]
     + [(n, np.int32) for n in ("tail_start", "tail_units", "tail_k_blocks", "tail_slots")]
     + pointer_fields("tail_partials", "tail_flags") + [("tail_tag", np.uint64)],
     align=True,
@@ -92,7 +112,8 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
     most FA3_FP8_P_SMEM_MAX_SEQLEN_K (``many_keys``: more); else FA3_FP8_TILES_LONG where it has the head
     dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither
     softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
-    _short_masked); else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
+    _short_masked); else, for such short masked rows without softcap or packing, FA3_TILES_SHORT_MASKED where it
+    has the head dim; else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
     (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         wide = heuristics.FA3_FP8_TILES_WIDE.get(headdim) if long_rows else None
@@ -103,6 +124,8 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
         return FA3_FP8_TILES[headdim]
     if not (softcap or pack_gqa or short_masked) and headdim in heuristics.FA3_TILES_3WG:
         return heuristics.FA3_TILES_3WG[headdim]
+    if short_masked and not (softcap or pack_gqa) and headdim in heuristics.FA3_TILES_SHORT_MASKED:
+        return heuristics.FA3_TILES_SHORT_MASKED[headdim]
     if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
         return heuristics.FA3_TILES_UNMASKED[headdim]
     return FA3_TILES[headdim]
@@ -442,6 +465,7 @@ def fill_schedule(p, dims: Dims, window, block_m: int, block_n: int, elem_bytes:
     grid = min(m_blocks * pairs, _sm_count())  # persistent: each block walks tiles blockIdx.x, + gridDim.x, ...
     p["sched_section"], p["sched_serpentine"], p["row_shift"] = schedule(
         dims, window, block_m, block_n, elem_bytes, budget_kib, pack, grid, shift_rows)
+    p["sched_div"] = tile_order_divisors(m_blocks, pairs // dims.batch, dims.batch, int(p["sched_section"][0]))
     return grid
 
 

@@ -235,6 +235,12 @@ FA3_TILES_3WG = {
 # the spare rows before row 0 (tile_order.row_shift) three win from 1k (ab_probe fwd-row-shift, session 18:
 # 1k two 278, three 288, three without the shift 247).
 FA3_3WG_MIN_MASKED_SEQLEN = 1024
+# ... and those short masked rows at d = 64 take three K / V stages (Q + 3 x (K + V) + the O staging, 128 KB):
+# tiles of 1-4 K tiles each, so the next tile's first K / V load ahead through more of the last one. H200
+# (scripts/ab_probe.py fwd-trim, session 32, 3 rounds, TF/s, two stages -> three): causal N = 512 237 -> 240.
+FA3_TILES_SHORT_MASKED = {
+    64: Fa3Tiles(block_n=128, stages=3),
+}
 
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
 # of two) as fit their K and V in a budget of KiB run together, so the blocks of a round share K/V in L2
@@ -378,7 +384,7 @@ FA3_FP8_TILES_WIDE = {
 # accumulator's.
 FA3_FP8_P_SMEM_MAX_SEQLEN_K = 16384
 
-FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_FP8_TILES, FA3_FP8_TILES_LONG,
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_TILES_SHORT_MASKED, FA3_FP8_TILES, FA3_FP8_TILES_LONG,
                       FA3_FP8_TILES_WIDE)
 
 

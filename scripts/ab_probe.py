@@ -734,7 +734,8 @@ def replaced(owner, name, value):
 
 
 def short_masked_rows_at(seqlen):
-    """Masked rows shorter than ``seqlen`` take FA3_TILES (two warpgroups), longer FA3_TILES_3WG."""
+    """Masked rows shorter than ``seqlen`` take two warpgroups (FA3_TILES_SHORT_MASKED, FA3_TILES), longer
+    FA3_TILES_3WG."""
     return replaced(heuristics, "FA3_3WG_MIN_MASKED_SEQLEN", seqlen)
 
 

@@ -75,6 +75,24 @@ def test_every_tile_once_in_round_order(lib, m_blocks, heads, batch, section, gr
             assert linear_index(m_blocks, heads, batch, section, m, h, b) == r * grid + pos, (block, r)
 
 
+@pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES + [(128, 32, 32, 4096, 132), (1, 1, 1, 7, 1)])
+def test_host_divisors_are_the_kernels(lib, m_blocks, heads, batch, section, grid):
+    """cuflash/fa3.py's tile_order_divisors (what a launch passes in Fa3FwdParams.sched_div) builds the words
+    tile_order_divisors in the header does, and they divide every tile index the kernel can form as `/` does."""
+    from cuflash import fa3
+
+    out = np.zeros(12, np.uint32)
+    lib.scheduler_divisors(m_blocks, heads, batch, section, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)))
+    host = fa3.tile_order_divisors(m_blocks, heads, batch, section)
+    assert [w for d in host for w in d] == out.tolist()
+    n = np.arange(m_blocks * heads * batch, dtype=np.uint64)
+    for d, m, shift in host:
+        assert np.array_equal((((n * m) >> 32) + n) >> shift, n // d), d
+    p = np.zeros(1, fa3.PARAMS)
+    p["sched_div"] = host
+    assert p["sched_div"]["heads"]["divisor"][0] == heads
+
+
 @pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES)
 def test_sections_keep_few_pairs_and_heavy_first(lib, m_blocks, heads, batch, section, grid):
     rows = walk(lib, m_blocks, heads, batch, section, grid)

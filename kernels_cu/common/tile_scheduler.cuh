@@ -27,6 +27,7 @@
 // head streaming its own K/V from device memory: with one block per (head, batch) at a time a d = 128
 // tile does 128 FLOP per byte of K/V, which caps the kernel near 500 TFLOP/s at 4 TB/s.
 #pragma once
+#include "fast_divmod.cuh"
 #include "types.cuh"
 
 struct Tile {
@@ -40,6 +41,21 @@ struct TailSplit {
     int k_blocks;  // K tiles of every tile
     int slots;     // partial slots per tail tile (most pieces a tile has, less one)
 };
+
+// The divisions tile() makes, by divisors fixed for a call: tiles per section, pairs per section (and in the
+// last, narrower section) and heads. As integer divisions they were three ~30-instruction sequences per tile
+// in every warp (ncu, d = 64 N = 512: ~5 % of the kernel's instructions); the host computes them once per call
+// (cuflash/fa3.py tile_order_divisors mirrors tile_order_divisors below) and the kernel reads them from its
+// parameters.
+struct TileOrderDivisors {
+    FastDivmod section_tiles, section, last_section, heads;
+};
+
+__device__ __forceinline__ TileOrderDivisors tile_order_divisors(int m_blocks, int heads, int batch, int section) {
+    const int pairs = heads * batch, last_first_pair = (pairs - 1) / section * section;
+    return TileOrderDivisors{FastDivmod(min(section, pairs) * m_blocks), FastDivmod(section),
+                             FastDivmod(pairs - last_first_pair), FastDivmod(heads)};
+}
 
 // A tail piece's part in its tile: `slot` >= 0: leave a partial there (an index into the call's partial
 // slots); else merge the `merges` partials from slot `first` on (0: a whole tile, or the tile's only piece).
@@ -117,12 +133,13 @@ struct TileScheduler {
         return PieceRole{-1, j * tail.slots, before};
     }
 
-    __device__ __forceinline__ Tile tile() const {
-        const int pairs = heads * batch, per_section = section * m_blocks;
-        const int first_pair = index / per_section * section;  // the section's first (head, batch) pair
-        const int width = min(section, pairs - first_pair);  // the last section may be narrower
-        const int rest = index - first_pair * m_blocks;  // tile within the section
-        const int pair = first_pair + rest % width;
-        return Tile{m_blocks - 1 - rest / width, pair % heads, pair / heads};
+    // (div: tile_order_divisors(m_blocks, heads, batch, section) of this call)
+    __device__ __forceinline__ Tile tile(const TileOrderDivisors& div) const {
+        const int first_pair = div.section_tiles.div(index) * section;  // the section's first (head, batch) pair
+        const bool narrow = first_pair + section > heads * batch;         // the last section may be narrower
+        int step, column, batch_index, head;  // tile = step x width + column within the section
+        (narrow ? div.last_section : div.section).divmod(index - first_pair * m_blocks, step, column);
+        div.heads.divmod(first_pair + column, batch_index, head);
+        return Tile{m_blocks - 1 - step, head, batch_index};
     }
 };

@@ -2,6 +2,7 @@
 // backward's are in fa3/bwd_params.cuh. cuflash/fa3.py mirrors each struct as a numpy structured dtype
 // (align=True).
 #pragma once
+#include "../common/tile_scheduler.cuh"
 #include "../common/types.cuh"
 
 struct Fa3FwdParams {
@@ -23,6 +24,7 @@ struct Fa3FwdParams {
     const float* v_descale;
     int q_descale_blocks, q_descale_rows, kv_descale_blocks, kv_descale_tiles;
     int sched_section, sched_serpentine;  // the persistent scheduler's order (cuflash/tile_order.py)
+    TileOrderDivisors sched_div;          // its divisors (common/tile_scheduler.cuh; cuflash/fa3.py fill_schedule)
     int row_shift;  // query rows of the first query block before row 0 (fa3/fwd.cu; cuflash/fa3.py fill_schedule)
     // The stream-K tail (common/tile_scheduler.cuh TailSplit; tail_units 0: none): a piece that is not its
     // tile's last leaves O, the row maxima and sums in its slot of tail_partials (per slot and consumer

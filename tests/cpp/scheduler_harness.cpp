@@ -20,6 +20,7 @@ struct HostDim3 {
 static HostDim3 blockIdx, gridDim;
 static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint64_t(a) * b) >> 32); }
 
 #include "tile_scheduler.cuh"
 
@@ -31,11 +32,12 @@ long long scheduler_walk(int m_blocks, int heads, int batch, int section, int se
                          long long capacity) {
     long long count = 0;
     gridDim.x = unsigned(grid);
+    const TileOrderDivisors div = tile_order_divisors(m_blocks, heads, batch, section);
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = unsigned(b);
         for (TileScheduler sched(m_blocks, heads, batch, section, serpentine != 0); sched.valid(); sched.advance()) {
             if (count >= capacity) return -1;
-            const Tile t = sched.tile();
+            const Tile t = sched.tile(div);
             int32_t* row = out + 4 * count++;
             row[0] = b, row[1] = t.m_block, row[2] = t.head, row[3] = t.batch;
         }
@@ -50,13 +52,14 @@ long long scheduler_walk_tail(int m_blocks, int heads, int batch, int section, i
                               int units, int k_blocks, int slots, int32_t* out, long long capacity) {
     long long count = 0;
     gridDim.x = unsigned(grid);
+    const TileOrderDivisors div = tile_order_divisors(m_blocks, heads, batch, section);
     for (int b = 0; b < grid; ++b) {
         blockIdx.x = unsigned(b);
         for (TileScheduler sched(m_blocks, heads, batch, section, serpentine != 0,
                                  TailSplit{start, units, k_blocks, slots});
              sched.valid(); sched.advance()) {
             if (count >= capacity) return -1;
-            const Tile t = sched.tile();
+            const Tile t = sched.tile(div);
             int n_lo = 0, n_hi = k_blocks;
             sched.clip(n_lo, n_hi);
             const PieceRole role = sched.role();
@@ -66,6 +69,14 @@ long long scheduler_walk_tail(int m_blocks, int heads, int batch, int section, i
         }
     }
     return count;
+}
+
+// tile_order_divisors(m_blocks, heads, batch, section) as 12 words (divisor, multiplier, shift of each), for
+// cuflash/fa3.py's mirror.
+void scheduler_divisors(int m_blocks, int heads, int batch, int section, uint32_t* out) {
+    const TileOrderDivisors d = tile_order_divisors(m_blocks, heads, batch, section);
+    const FastDivmod all[4] = {d.section_tiles, d.section, d.last_section, d.heads};
+    for (int i = 0; i < 4; ++i) out[3 * i] = all[i].divisor, out[3 * i + 1] = all[i].multiplier, out[3 * i + 2] = all[i].shift;
 }
 
 }  // extern "C"
