@@ -29,6 +29,8 @@ def lib(tmp_path_factory):
     lib = build("scheduler_harness.cpp", "common", tmp_path_factory.mktemp("scheduler_harness"))
     lib.scheduler_walk.argtypes = [ctypes.c_int] * 6 + [ctypes.POINTER(ctypes.c_int32), ctypes.c_longlong]
     lib.scheduler_walk.restype = ctypes.c_longlong
+    lib.scheduler_walk_plain_div.argtypes = lib.scheduler_walk.argtypes
+    lib.scheduler_walk_plain_div.restype = ctypes.c_longlong
     return lib
 
 
@@ -91,6 +93,13 @@ def test_host_divisors_are_the_kernels(lib, m_blocks, heads, batch, section, gri
     p = np.zeros(1, fa3.PARAMS)
     p["sched_div"] = host
     assert p["sched_div"]["heads"]["divisor"][0] == heads
+    # the plain-division walk (TileScheduler::tile<false>, the FP8 forward's) visits the same tiles in the same order
+    for serpentine in (False, True):
+        cap = m_blocks * heads * batch + 1
+        plain = np.full((cap, 4), -7, np.int32)
+        n = lib.scheduler_walk_plain_div(m_blocks, heads, batch, section, int(serpentine), grid,
+                                         plain.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), cap)
+        assert np.array_equal(plain[:n], walk(lib, m_blocks, heads, batch, section, grid, serpentine))
 
 
 @pytest.mark.parametrize("m_blocks,heads,batch,section,grid", SHAPES)

@@ -133,13 +133,22 @@ struct TileScheduler {
         return PieceRole{-1, j * tail.slots, before};
     }
 
-    // (div: tile_order_divisors(m_blocks, heads, batch, section) of this call)
+    // (div: tile_order_divisors(m_blocks, heads, batch, section) of this call.) FAST_DIV false: by `/` and `%`
+    // instead, for kernels whose main loop has no uniform register to spare for the divisors (fa3/fwd.cu).
+    template <bool FAST_DIV = true>
     __device__ __forceinline__ Tile tile(const TileOrderDivisors& div) const {
-        const int first_pair = div.section_tiles.div(index) * section;  // the section's first (head, batch) pair
-        const bool narrow = first_pair + section > heads * batch;         // the last section may be narrower
-        int step, column, batch_index, head;  // tile = step x width + column within the section
-        (narrow ? div.last_section : div.section).divmod(index - first_pair * m_blocks, step, column);
-        div.heads.divmod(first_pair + column, batch_index, head);
-        return Tile{m_blocks - 1 - step, head, batch_index};
+        if constexpr (FAST_DIV) {
+            const int first_pair = div.section_tiles.div(index) * section;  // the section's first (head, batch) pair
+            const bool narrow = first_pair + section > heads * batch;         // the last section may be narrower
+            int step, column, batch_index, head;  // tile = step x width + column within the section
+            (narrow ? div.last_section : div.section).divmod(index - first_pair * m_blocks, step, column);
+            div.heads.divmod(first_pair + column, batch_index, head);
+            return Tile{m_blocks - 1 - step, head, batch_index};
+        } else {
+            const int pairs = heads * batch, first_pair = index / (section * m_blocks) * section;
+            const int width = min(section, pairs - first_pair), rest = index - first_pair * m_blocks;
+            const int pair = first_pair + rest % width;
+            return Tile{m_blocks - 1 - rest / width, pair % heads, pair / heads};
+        }
     }
 };

@@ -426,9 +426,11 @@ struct OnlineSoftmax {
     // Row r's natural-log LSE, (m scale log2 e + log2 l) ln 2, from its quad-summed l; -inf for a row that
     // saw no key (l = 0). The epilogue's division and logarithm are the SFU's approximations (2 ulp and
     // 2^-22 absolute): the IEEE forms were ~60 instructions per tile in every warp, at short rows a few
-    // per cent of the kernel.
+    // per cent of the kernel. Not in FP8 variants, nor the tile order's FastDivmods (TileScheduler::tile):
+    // with either, ptxas moved the FP8 d = 128 main loop's ring and descale arithmetic off the uniform
+    // datapath (H200: -18 % at N = 8k).
     __device__ __forceinline__ float lse(int r, float l, float scale_log2) const {
-        return l > 0.f ? (row_max[r] * scale_log2 + __log2f(l)) * 0.69314718055994531f : neg_inf();
+        return l > 0.f ? (row_max[r] * scale_log2 + (FP8 ? log2f(l) : __log2f(l))) * 0.69314718055994531f : neg_inf();
     }
 
     __device__ __forceinline__ void rescale(float (&o)[OD / 2]) const {
@@ -467,7 +469,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
         const bool in_sequence = qrow[r] >= 0 && qrow[r] < seq.seqlen_q;  // (rows before 0: row_shift)
         const i64 row = i64(seq.q_start) + qrow[r];
         const int head = qhead[r];
-        const float inv = l > 0.f ? __fdividef(o_scale, l) : 0.f;  // (l >= 1: a row's max adds 1)
+        const float inv = l > 0.f ? (FP8 ? o_scale / l : __fdividef(o_scale, l)) : 0.f;  // (l >= 1: a row's max adds 1)
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
         // Column groups j, j + 1 (8 columns each, a quad's): lanes q4 and q4 ^ 1 swap one packed pair, so
         // that an even lane holds 4 consecutive columns of group j and an odd lane 4 of group j + 1: 8-byte
@@ -504,7 +506,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * w + g + 8 * r;  // within the warpgroup's 64 rows
         const float l = quad_sum(sm.row_sum[r]);
-        const float inv = l > 0.f ? __fdividef(o_scale, l) : 0.f;  // (l >= 1: a row's max adds 1)
+        const float inv = l > 0.f ? (FP8 ? o_scale / l : __fdividef(o_scale, l)) : 0.f;  // (l >= 1: a row's max adds 1)
 #pragma unroll
         for (int j = 0; j < OD / 8; ++j) {
             unsigned char* atom = o_smem + (j / 8) * 64 * 128;
@@ -692,7 +694,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int i = 0, q_iter = 0;
         for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
              sched.advance()) {
-            const Tile tile = sched.tile(p.sched_div);
+            const Tile tile = sched.tile<!FP8>(p.sched_div);
             const SeqInfo seq = sequence(p, tile.batch);
             const int row0 = tile.m_block * BM - row_shift;
             int q_first, q_last;
@@ -750,7 +752,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
          sched.advance()) {
-        const Tile tile = sched.tile(p.sched_div);
+        const Tile tile = sched.tile<!FP8>(p.sched_div);
         const SeqInfo seq = sequence(p, tile.batch);
         const int row0 = tile.m_block * BM - row_shift;
         int q_first, q_last, wg_first, wg_last;

@@ -24,12 +24,11 @@ static inline unsigned __umulhi(unsigned a, unsigned b) { return unsigned((uint6
 
 #include "tile_scheduler.cuh"
 
-extern "C" {
-
 // Walks every block's tiles in the order the kernel does: out[k] = (block, m_block, head, batch) of the
 // k-th tile visited, blocks in order. Returns how many were written, or -1 if more than `capacity`.
-long long scheduler_walk(int m_blocks, int heads, int batch, int section, int serpentine, int grid, int32_t* out,
-                         long long capacity) {
+template <bool FAST_DIV>
+long long walk(int m_blocks, int heads, int batch, int section, int serpentine, int grid, int32_t* out,
+               long long capacity) {
     long long count = 0;
     gridDim.x = unsigned(grid);
     const TileOrderDivisors div = tile_order_divisors(m_blocks, heads, batch, section);
@@ -37,12 +36,24 @@ long long scheduler_walk(int m_blocks, int heads, int batch, int section, int se
         blockIdx.x = unsigned(b);
         for (TileScheduler sched(m_blocks, heads, batch, section, serpentine != 0); sched.valid(); sched.advance()) {
             if (count >= capacity) return -1;
-            const Tile t = sched.tile(div);
+            const Tile t = sched.tile<FAST_DIV>(div);
             int32_t* row = out + 4 * count++;
             row[0] = b, row[1] = t.m_block, row[2] = t.head, row[3] = t.batch;
         }
     }
     return count;
+}
+
+extern "C" {
+
+// The kernel's walk with the host-built divisors (FAST_DIV) and with plain division (the FP8 forward's).
+long long scheduler_walk(int m_blocks, int heads, int batch, int section, int serpentine, int grid, int32_t* out,
+                         long long capacity) {
+    return walk<true>(m_blocks, heads, batch, section, serpentine, grid, out, capacity);
+}
+long long scheduler_walk_plain_div(int m_blocks, int heads, int batch, int section, int serpentine, int grid,
+                                   int32_t* out, long long capacity) {
+    return walk<false>(m_blocks, heads, batch, section, serpentine, grid, out, capacity);
 }
 
 // The same walk with a stream-K tail (TailSplit{start, units, k_blocks, slots}): out[k] = (block, m_block, head,
