@@ -237,7 +237,7 @@ FA3_TILES_3WG = {
 FA3_3WG_MIN_MASKED_SEQLEN = 1024
 # ... and those short masked rows at d = 64 take three K / V stages (Q + 3 x (K + V) + the O staging, 128 KB):
 # tiles of 1-4 K tiles each, so the next tile's first K / V load ahead through more of the last one. H200
-# (scripts/ab_probe.py fwd-trim, session 32, 3 rounds, TF/s, two stages -> three): causal N = 512 237 -> 240.
+# (session 32's A/B, bench/NOTES.md; 3 rounds, TF/s, two stages -> three): causal N = 512 237 -> 240.
 FA3_TILES_SHORT_MASKED = {
     64: Fa3Tiles(block_n=128, stages=3),
 }
@@ -384,8 +384,8 @@ FA3_FP8_TILES_WIDE = {
 # accumulator's.
 FA3_FP8_P_SMEM_MAX_SEQLEN_K = 16384
 
-FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_TILES_SHORT_MASKED, FA3_FP8_TILES, FA3_FP8_TILES_LONG,
-                      FA3_FP8_TILES_WIDE)
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_TILES_SHORT_MASKED, FA3_FP8_TILES,
+                      FA3_FP8_TILES_LONG, FA3_FP8_TILES_WIDE)
 
 
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a
