@@ -194,7 +194,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         + ((("CUFLASH_EXP2_EMU", t.exp2_emu),) if t.exp2_emu else ())
         + ((("CUFLASH_SPECULATIVE_MAX", 1),) if t.speculative_max else ())
         + ((("CUFLASH_P_SMEM", 1),) if t.p_smem else ())
-        + ((("CUFLASH_TURN_FENCE", 1),) if t.turn_fence and not t.pingpong else ()),
+        + ((("CUFLASH_TURN_FENCE", 1),) if t.turn_fence and not t.pingpong else ())
+        + ((("CUFLASH_FAST_TILE_DIV", 0),) if not (t.fast_tile_div or fp8) else ()),
         threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
 

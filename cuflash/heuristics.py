@@ -176,6 +176,10 @@ class Fa3Tiles:
     # without the pingpong, a compiler fence where a consumer would wait for its turn (fwd.cu TURN_FENCE: how
     # ptxas allocates registers at the register file's edge)
     turn_fence: bool = False
+    # the persistent tile order's divisions by the host's FastDivmods (common/tile_scheduler.cuh) instead of
+    # `/` and `%` (fwd.cu FAST_TILE_DIV; FP8 variants never take them: their loop had no uniform register
+    # to spare)
+    fast_tile_div: bool = True
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per

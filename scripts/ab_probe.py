@@ -66,6 +66,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
              the tables against the pingpong switched, and at d = 64 two consumer warpgroups
+  fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 8k, 16k, causal and not: the tile order by the host's
+             FastDivmods (as built) against plain division (Fa3Tiles.fast_tile_div False)
   fwd-idle-wg  FA3 forward bf16 d = 64 (three consumer warpgroups), N = 512 ... 4k: warpgroups with no row of the
              sequence sitting their tiles out (fwd.cu IDLE_WG_SKIP, as built) against computing them
   bwd-row-shift  FA3 backward d = 64 and 128, N = 2k and 4k, causal and not: the spare rows of the last Q
@@ -76,7 +78,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-wide-pingpong] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [fwd-d128-div] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -241,6 +243,8 @@ def list_variants() -> list:
             out += bf16_forward_variants(128, D128_CASES)
     with defines_added("fwd_variant", *IDLE_WG_OFF):  # fwd_idle_wg's
         out += bf16_forward_variants(64, IDLE_CASES)
+    with fa3_tiles_at(128, fast_tile_div=False):  # fwd_d128_div's
+        out += bf16_forward_variants(128, D128_DIV_CASES)
     for d in (64, 128):  # fwd_short's
         for config in fwd_short_configs(d).values():
             with config():
@@ -903,6 +907,18 @@ def fwd_idle_wg(rounds, reps):
         fwd_interleaved(64, n, causal, configs, rounds, reps)
 
 
+D128_DIV_CASES = [(n, causal) for n in (512, 2048, 8192, 16384) for causal in (False, True)]
+
+
+def fwd_d128_div(rounds, reps):
+    """FA3 forward bf16 d = 128: the tile order by FastDivmods (as built) against `/` and `%` (Fa3Tiles.
+    fast_tile_div False; session 32: both per-tile trims together read 1.5-3 % slower without a mask at 8k /
+    16k, either alone level)."""
+    configs = {"table": as_is, "plain tile division": lambda: fa3_tiles_at(128, fast_tile_div=False)}
+    for n, causal in D128_DIV_CASES:
+        fwd_interleaved(128, n, causal, configs, rounds, reps)
+
+
 def fwd_short(rounds, reps):
     for d in (64, 128):
         for n, causal in SHORT_CASES:
@@ -969,7 +985,7 @@ def main():
             "fp8-d64-wide": fp8_d64_wide, "fp8-wide-pingpong": fp8_wide_pingpong, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
-            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "bwd-row-shift": bwd_row_shift}
+            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "fwd-d128-div": fwd_d128_div, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

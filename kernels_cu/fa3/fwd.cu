@@ -44,7 +44,7 @@
 // CUFLASH_TAIL_SPLIT (0/1: the stream-K tail of calls without a mask),
 // CUFLASH_PINGPONG (0/1), CUFLASH_P_SMEM (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one
 // column group in k on the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a
-// probe asks).
+// probe asks), CUFLASH_FAST_TILE_DIV (0/1: the tile order by FastDivmods; 1 unless FP8 or the tiles say 0).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/poly_exp2.cuh"
@@ -192,6 +192,12 @@ constexpr bool PINGPONG = CUFLASH_PINGPONG;
 // edge decides whether ptxas serialises the wgmma (FP8 d = 128 on 256-key tiles: NVRTC 13.5 does without
 // the fence, 13.0 does with a fence at the turn's hand-off too).
 constexpr bool TURN_FENCE = CUFLASH_TURN_FENCE;
+#ifndef CUFLASH_FAST_TILE_DIV
+#define CUFLASH_FAST_TILE_DIV (!CUFLASH_FP8)
+#endif
+// The tile order's divisions by the host's FastDivmods (TileScheduler::tile) instead of `/` and `%`: ~90
+// instructions less per tile in every warp (heuristics.Fa3Tiles.fast_tile_div; see OnlineSoftmax::lse for FP8).
+constexpr bool FAST_TILE_DIV = CUFLASH_FAST_TILE_DIV;
 #ifndef CUFLASH_IDLE_WG_SKIP
 #define CUFLASH_IDLE_WG_SKIP (CUFLASH_CONSUMERS == 3)
 #endif
@@ -694,7 +700,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         int i = 0, q_iter = 0;
         for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
              sched.advance()) {
-            const Tile tile = sched.tile<!FP8>(p.sched_div);
+            const Tile tile = sched.tile<FAST_TILE_DIV>(p.sched_div);
             const SeqInfo seq = sequence(p, tile.batch);
             const int row0 = tile.m_block * BM - row_shift;
             int q_first, q_last;
@@ -752,7 +758,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     for (TileScheduler sched(m_blocks, tile_heads, p.batch, p.sched_section, serpentine, tail); sched.valid();
          sched.advance()) {
-        const Tile tile = sched.tile<!FP8>(p.sched_div);
+        const Tile tile = sched.tile<FAST_TILE_DIV>(p.sched_div);
         const SeqInfo seq = sequence(p, tile.batch);
         const int row0 = tile.m_block * BM - row_shift;
         int q_first, q_last, wg_first, wg_last;
