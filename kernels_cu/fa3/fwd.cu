@@ -438,6 +438,11 @@ struct OnlineSoftmax {
     __device__ __forceinline__ float lse(int r, float l, float scale_log2) const {
         return l > 0.f ? (row_max[r] * scale_log2 + (FP8 ? log2f(l) : __log2f(l))) * 0.69314718055994531f : neg_inf();
     }
+    // o_scale / l, the factor a row's O leaves the accumulator with (0 for a row that saw no key; l >= 1
+    // otherwise: a row's max adds 1); the same SFU form as lse().
+    __device__ __forceinline__ static float output_scale(float o_scale, float l) {
+        return l > 0.f ? (FP8 ? o_scale / l : __fdividef(o_scale, l)) : 0.f;
+    }
 
     __device__ __forceinline__ void rescale(float (&o)[OD / 2]) const {
 #pragma unroll
@@ -475,7 +480,7 @@ __device__ __forceinline__ void store_output(const Fa3FwdParams& p, const float 
         const bool in_sequence = qrow[r] >= 0 && qrow[r] < seq.seqlen_q;  // (rows before 0: row_shift)
         const i64 row = i64(seq.q_start) + qrow[r];
         const int head = qhead[r];
-        const float inv = l > 0.f ? (FP8 ? o_scale / l : __fdividef(o_scale, l)) : 0.f;  // (l >= 1: a row's max adds 1)
+        const float inv = OnlineSoftmax::output_scale(o_scale, l);
         u16* out = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
         // Column groups j, j + 1 (8 columns each, a quad's): lanes q4 and q4 ^ 1 swap one packed pair, so
         // that an even lane holds 4 consecutive columns of group j and an odd lane 4 of group j + 1: 8-byte
@@ -512,7 +517,7 @@ __device__ __forceinline__ void store_output_tma(const Fa3FwdParams& p, const Te
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * w + g + 8 * r;  // within the warpgroup's 64 rows
         const float l = quad_sum(sm.row_sum[r]);
-        const float inv = l > 0.f ? (FP8 ? o_scale / l : __fdividef(o_scale, l)) : 0.f;  // (l >= 1: a row's max adds 1)
+        const float inv = OnlineSoftmax::output_scale(o_scale, l);
 #pragma unroll
         for (int j = 0; j < OD / 8; ++j) {
             unsigned char* atom = o_smem + (j / 8) * 64 * 128;
