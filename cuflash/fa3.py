@@ -113,8 +113,9 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
     dim; else FA3_FP8_TILES. For bf16 / fp16: FA3_TILES_3WG where it has the head dim and neither
     softcap nor GQA packing asks for registers nor the rows are short and masked (``short_masked``:
     _short_masked); else, for such short masked rows without softcap or packing, FA3_TILES_SHORT_MASKED where it
-    has the head dim; else FA3_TILES_UNMASKED where it has the head dim and no mask bounds the rows
-    (``unmasked``); FA3_TILES otherwise."""
+    has the head dim; else, for long rows (``long_rows``: at least FA3_LONG_MIN_SEQLEN query rows) without
+    softcap or packing, FA3_TILES_LONG where it has the head dim; else FA3_TILES_UNMASKED where it has the
+    head dim and no mask bounds the rows (``unmasked``); FA3_TILES otherwise."""
     if fp8:
         wide = heuristics.FA3_FP8_TILES_WIDE.get(headdim) if long_rows else None
         if wide is not None and (kv_block is None or kv_block % wide.block_n == 0) and not (wide.p_smem and many_keys):
@@ -126,6 +127,8 @@ def fwd_tiles(headdim: int, fp8: bool = False, unmasked: bool = False, softcap: 
         return heuristics.FA3_TILES_3WG[headdim]
     if short_masked and not (softcap or pack_gqa) and headdim in heuristics.FA3_TILES_SHORT_MASKED:
         return heuristics.FA3_TILES_SHORT_MASKED[headdim]
+    if long_rows and not (softcap or pack_gqa) and headdim in heuristics.FA3_TILES_LONG:
+        return heuristics.FA3_TILES_LONG[headdim]
     if unmasked and headdim in heuristics.FA3_TILES_UNMASKED:
         return heuristics.FA3_TILES_UNMASKED[headdim]
     return FA3_TILES[headdim]
@@ -155,8 +158,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
                 many_keys: bool = False) -> Variant:
     """A forward variant. ``fp8``: e4m3 Q, K, V (FA3_FP8_TILES, _LONG, _WIDE) and ``dtype`` the
     output's (bf16). ``unmasked``: no causal mask or window; ``short_masked``: a mask and short rows;
-    ``long_rows``, ``kv_block``, ``many_keys``: FP8 with long rows, that K/V descale block and more keys
-    than FA3_FP8_P_SMEM_MAX_SEQLEN_K (fwd_tiles).
+    ``long_rows``: long rows (FP8's threshold or bf16 / fp16's, fwd_tiles); ``kv_block``, ``many_keys``: FP8
+    with that K/V descale block and more keys than FA3_FP8_P_SMEM_MAX_SEQLEN_K (fwd_tiles).
     ``headdim_v``: V's (and O's) head dim where it differs from Q and K's (FWD_HEADDIM_V); the tiles are
     Q and K's head dim's."""
     t = fwd_tiles(headdim, fp8, unmasked, softcap, pack_gqa, short_masked, long_rows, kv_block, many_keys)
@@ -169,7 +172,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
     block_m = fwd_block_m(t)
     # the stream-K tail's code (fill_tail) only in the variants that calls without a mask take: d = 256's
     # 64-key tiles (causal) spill 180-280 bytes with it
-    tail = not (fp8 or varlen or pack_gqa) and t == fwd_tiles(headdim, unmasked=True, softcap=softcap)
+    tail = not (fp8 or varlen or pack_gqa) and t in (fwd_tiles(headdim, unmasked=True, softcap=softcap, long_rows=long)
+                                                     for long in (False, True))
     q_bytes, k_bytes = block_m * padded(headdim) * elem, t.block_n * padded(headdim) * elem
     v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
     smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
@@ -263,24 +267,27 @@ def bwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
                               ("CUFLASH_SMEM_BYTES", smem)), threads=THREADS, smem_bytes=smem)
 
 
-def _row_kinds(headdim: int) -> list[tuple[bool, bool]]:
-    """(unmasked, short_masked) pairs whose tiles may differ at this head dim (fwd_tiles)."""
-    kinds = [(False, False)]
+def _row_kinds(headdim: int) -> list[tuple[bool, bool, bool]]:
+    """(unmasked, short_masked, long_rows) whose tiles may differ at this head dim (fwd_tiles)."""
+    kinds = [(False, False, False)]
     if headdim in heuristics.FA3_TILES_UNMASKED:
-        kinds.append((True, False))
+        kinds.append((True, False, False))
     if headdim in heuristics.FA3_TILES_3WG:
-        kinds.append((False, True))
+        kinds.append((False, True, False))
+    if headdim in heuristics.FA3_TILES_LONG:
+        kinds += [(False, False, True), (True, False, True)]
     return kinds
 
 
 def all_variants(arch: str = "sm_90a") -> list[Variant]:
     if arch not in ARCHS:
         return []
-    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked, headdim_v=dv, short_masked=short_masked)
+    fwd = [fwd_variant(d, dtype, softcap, varlen, pack, unmasked=unmasked, headdim_v=dv, short_masked=short_masked,
+                       long_rows=long_rows)
            for dtype in DTYPE_CODES
            for d in HEADDIMS for dv in (d,) + FWD_HEADDIM_V.get(d, ()) for softcap in (False, True)
            for varlen, pack in ((False, False), (True, False), (False, True))
-           for unmasked, short_masked in _row_kinds(d)]
+           for unmasked, short_masked, long_rows in _row_kinds(d)]
     fwd = list(dict.fromkeys(fwd))  # calls with and without a mask may share a variant (FA3_TILES_3WG)
     # (kv_block None: any block, the widest tiles; FP8_BLOCK_N: the blocks the widest tiles do not divide)
     fp8 = list({fwd_variant(d, "bfloat16", fp8=True, long_rows=long, kv_block=kv, many_keys=many): None
@@ -397,11 +404,13 @@ def _plan_forward(q, k, v, out, dims: Dims, window, scale: float, softcap: float
     unmasked = _unmasked(window, dims)
     pack = pack_gqa(dims, varlen)
     short = _short_masked(window, dims)
-    t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack, short_masked=short)
+    long = dims.seqlen_q >= heuristics.FA3_LONG_MIN_SEQLEN
+    t = fwd_tiles(dims.headdim, unmasked=unmasked, softcap=softcap > 0, pack_gqa=pack, short_masked=short,
+                  long_rows=long)
     block_m = fwd_block_m(t)
     group = dims.heads // dims.kv_heads
     variant = fwd_variant(dims.headdim, dims.dtype, softcap > 0, varlen, pack, unmasked=unmasked,
-                          headdim_v=dims.headdim_v, short_masked=short)
+                          headdim_v=dims.headdim_v, short_masked=short, long_rows=long)
     map_q = _packed_q_layout(q, group, block_m) if pack else _map_layout(q, block_m)
     # each consumer warpgroup stores its 64 rows of O (STORE_O_TMA variants)
     maps = (map_q, _map_layout(k, t.block_n), _map_layout(v, t.block_n), _map_layout(out, 64))

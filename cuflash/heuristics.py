@@ -245,6 +245,16 @@ FA3_3WG_MIN_MASKED_SEQLEN = 1024
 FA3_TILES_SHORT_MASKED = {
     64: Fa3Tiles(block_n=128, stages=3),
 }
+# ... and bf16 / fp16 calls of at least FA3_LONG_MIN_SEQLEN query rows (causal or not) at d = 128 divide
+# the persistent tile order by `/` and `%` instead of the host's FastDivmods (Fa3Tiles.fast_tile_div): the
+# same loop, scheduled differently by ptxas. H200 (session 33, scripts/ab_probe.py fwd-d128-div, 5 rounds,
+# TF/s, FastDivmods -> plain, A/A in brackets): 16k 599 -> 611 (595), causal 573 -> 583 (574); 8k 596 -> 599
+# (595), causal 548 -> 555 (552); 2k 584 -> 585, causal 502 -> 498; but 512 502 -> 496, causal 329 -> 319,
+# where the short rows keep the FastDivmods of FA3_TILES.
+FA3_TILES_LONG = {
+    128: Fa3Tiles(block_n=128, stages=2, pingpong=False, speculative_max=True, fast_tile_div=False),
+}
+FA3_LONG_MIN_SEQLEN = 4096
 
 # The FA3 forward's persistent scheduler runs the (head, batch) pairs in L2 sections: as many pairs (a power
 # of two) as fit their K and V in a budget of KiB run together, so the blocks of a round share K/V in L2
@@ -388,8 +398,8 @@ FA3_FP8_TILES_WIDE = {
 # accumulator's.
 FA3_FP8_P_SMEM_MAX_SEQLEN_K = 16384
 
-FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_TILES_SHORT_MASKED, FA3_FP8_TILES,
-                      FA3_FP8_TILES_LONG, FA3_FP8_TILES_WIDE)
+FA3_FORWARD_TABLES = (FA3_TILES, FA3_TILES_UNMASKED, FA3_TILES_3WG, FA3_TILES_SHORT_MASKED, FA3_TILES_LONG,
+                      FA3_FP8_TILES, FA3_FP8_TILES_LONG, FA3_FP8_TILES_WIDE)
 
 
 # Deterministic FA3 backward without a mask: the rotated dQ order (kernels_cu/common/dq_order.cuh) when a

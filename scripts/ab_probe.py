@@ -66,8 +66,9 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
              the tables against the pingpong switched, and at d = 64 two consumer warpgroups
-  fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 8k, 16k, causal and not: the tile order by the host's
-             FastDivmods (as built) against plain division (Fa3Tiles.fast_tile_div False)
+  fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 4k, 8k, 16k, causal and not: the tile order as tabled
+             (the host's FastDivmods below FA3_LONG_MIN_SEQLEN rows, plain division from there: Fa3Tiles.
+             fast_tile_div) against FastDivmods and plain division at every length
   fwd-idle-wg  FA3 forward bf16 d = 64 (three consumer warpgroups), N = 512 ... 4k: warpgroups with no row of the
              sequence sitting their tiles out (fwd.cu IDLE_WG_SKIP, as built) against computing them
   bwd-row-shift  FA3 backward d = 64 and 128, N = 2k and 4k, causal and not: the spare rows of the last Q
@@ -243,8 +244,9 @@ def list_variants() -> list:
             out += bf16_forward_variants(128, D128_CASES)
     with defines_added("fwd_variant", *IDLE_WG_OFF):  # fwd_idle_wg's
         out += bf16_forward_variants(64, IDLE_CASES)
-    with fa3_tiles_at(128, fast_tile_div=False):  # fwd_d128_div's
-        out += bf16_forward_variants(128, D128_DIV_CASES)
+    for config in (lambda: fa3_tiles_at(128, fast_tile_div=False), lambda: fa3_long_tiles_at(128, fast_tile_div=True)):
+        with config():  # fwd_d128_div's
+            out += bf16_forward_variants(128, D128_DIV_CASES)
     for d in (64, 128):  # fwd_short's
         for config in fwd_short_configs(d).values():
             with config():
@@ -260,7 +262,8 @@ def bf16_forward_variants(d, cases):
         dims = _validate.Dims(1, n, n, 1, 1, d, "bfloat16")
         window = _validate.window_bounds((-1, -1), causal, dims)
         out.append(fa3.fwd_variant(d, "bfloat16", unmasked=fa3._unmasked(window, dims),
-                                   short_masked=fa3._short_masked(window, dims)))
+                                   short_masked=fa3._short_masked(window, dims),
+                                   long_rows=n >= heuristics.FA3_LONG_MIN_SEQLEN))
     return out
 
 
@@ -907,14 +910,20 @@ def fwd_idle_wg(rounds, reps):
         fwd_interleaved(64, n, causal, configs, rounds, reps)
 
 
-D128_DIV_CASES = [(n, causal) for n in (512, 2048, 8192, 16384) for causal in (False, True)]
+D128_DIV_CASES = [(n, causal) for n in (512, 2048, 4096, 8192, 16384) for causal in (False, True)]
+
+
+def fa3_long_tiles_at(d, **changes):
+    """bf16 forward calls at head dim d that take FA3_TILES_LONG (long rows) take its row with ``changes``."""
+    return tables_edited((heuristics.FA3_TILES_LONG,),
+                         lambda table: table.update({d: dataclasses.replace(table[d], **changes)}))
 
 
 def fwd_d128_div(rounds, reps):
-    """FA3 forward bf16 d = 128: the tile order by FastDivmods (as built) against `/` and `%` (Fa3Tiles.
-    fast_tile_div False; session 32: both per-tile trims together read 1.5-3 % slower without a mask at 8k /
-    16k, either alone level)."""
-    configs = {"table": as_is, "plain tile division": lambda: fa3_tiles_at(128, fast_tile_div=False)}
+    """FA3 forward bf16 d = 128: the tile order as tabled (FastDivmods below FA3_LONG_MIN_SEQLEN rows, `/`
+    and `%` from there: Fa3Tiles.fast_tile_div) against FastDivmods and plain division at every length."""
+    configs = {"table": as_is, "FastDivmods": lambda: fa3_long_tiles_at(128, fast_tile_div=True),
+               "plain division": lambda: fa3_tiles_at(128, fast_tile_div=False)}
     for n, causal in D128_DIV_CASES:
         fwd_interleaved(128, n, causal, configs, rounds, reps)
 

@@ -156,6 +156,25 @@ def test_forward_plans_once_per_layout_and_takes_each_calls_pointers(fake_gpu, m
     assert len(made) == 2
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_rows_take_the_long_row_tiles(fake_gpu, monkeypatch, causal):
+    """bf16 d = 128 calls of FA3_LONG_MIN_SEQLEN query rows and more launch FA3_TILES_LONG's variant (the tile
+    order by plain division: FAST_TILE_DIV 0), shorter ones FA3_TILES' (the host's FastDivmods); both are
+    among the variants the compile check builds."""
+    launched = []
+    monkeypatch.setattr(_jit, "get_function", lambda variant: launched.append(variant) or types.SimpleNamespace(ptr=1))
+    n = heuristics.FA3_LONG_MIN_SEQLEN
+    for s in (n - 1, n):
+        q, k, v, out, lse, dims = _forward_arrays(1, s, 2, 2, 128)
+        fa3.forward(q, k, v, out, lse, dims, (dims.seqlen_k, 0 if causal else dims.seqlen_q), 0.1, STREAM)
+    short, long = (v for v in launched if v.kernel == "fa3_fwd")
+    assert ("CUFLASH_FAST_TILE_DIV", 0) in long.defines and ("CUFLASH_FAST_TILE_DIV", 0) not in short.defines
+    assert "CUFLASH_TAIL_SPLIT" in dict(long.defines)
+    assert dict(long.defines)["CUFLASH_TAIL_SPLIT"] == dict(short.defines)["CUFLASH_TAIL_SPLIT"]
+    names = {v.name for v in fa3.all_variants()}
+    assert long.name in names and short.name in names
+
+
 def test_each_call_of_a_stream_k_tail_gets_its_own_buffers_and_tag(fake_gpu):
     d = 128
     t = fa3.fwd_tiles(d, unmasked=True)
