@@ -308,10 +308,13 @@ FA3_WIDE_SECTION_MAX_STREAM_BYTES = 3 << 20
 # 23, 9 interleaved rounds, TF/s tail / none, model's gain in brackets): d = 64 2k 441 / 433 (2.0 %), 4k 467
 # / 454 (2.5 %), 8k 490 / 489 (0.5 %); d = 128 2k 559 / 561 (1.8 %), 4k 603 / 591 (2.5 %), 8k 604 / 592
 # (2.8 %); d = 256 2k 648 / 670 (1.9 %), 4k 682 / 673 (2.4 %), 8k 708 / 693 (2.6 %). The model runs
-# 0.5-1 point high where the tiles are long and misses the 2k cells of d >= 128 by 2-5 points (a piece's
-# fixed costs weigh more there than "one K tile"), hence the 2.2 % bar: the tail runs at 4k and beyond.
+# 0.5-1 point high where the tiles are long and missed the 2k cells of d >= 128 by 2-5 points then (a piece's
+# fixed costs weighed more than "one K tile"). Since session 32's per-tile trims the 2k cells gain as modelled
+# (ab_probe fwd-tail-short, session 33, 7 rounds, TF/s none / tail, model's gain in brackets): d = 64 2k 455 /
+# 464 (2.0 %), d = 128 2k 624 / 635 (1.8 %), d = 256 2k 687 / 688 (1.9 %), hence a 1.5 % bar: the tail runs from
+# 2k on at the benchmark shapes, not at 1k (0.7-1.2 % modelled).
 FA3_TAIL_SPLIT = True
-FA3_TAIL_MIN_GAIN = 0.022
+FA3_TAIL_MIN_GAIN = 0.015
 FA3_TAIL_MERGE_COST = 0.5
 FA3_TAIL_MAX_PIECES = 4  # (at most this many pieces per tile: a tile's merge reads its partials one by one)
 

@@ -66,6 +66,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
              the tables against the pingpong switched, and at d = 64 two consumer warpgroups
+  fwd-tail-short  FA3 forward bf16 d = 64, 128, 256, N = 2k, not causal: the table's rule (no stream-K tail at 2k)
+             against the tail wherever the model gains (FA3_TAIL_MIN_GAIN 0)
   fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 4k, 8k, 16k, causal and not: the tile order as tabled
              (the host's FastDivmods below FA3_LONG_MIN_SEQLEN rows, plain division from there: Fa3Tiles.
              fast_tile_div) against FastDivmods and plain division at every length
@@ -79,7 +81,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-wide-pingpong] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [fwd-d128-div] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [fwd-d128-div] [fwd-tail-short] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -913,6 +915,15 @@ def fwd_idle_wg(rounds, reps):
 D128_DIV_CASES = [(n, causal) for n in (512, 2048, 4096, 8192, 16384) for causal in (False, True)]
 
 
+def fwd_tail_short(rounds, reps):
+    """FA3 forward bf16 without a mask at N = 2k, d = 64 / 128 / 256: the table's rule (no stream-K tail
+    there: FA3_TAIL_MIN_GAIN) against the tail wherever the model gains (session 23 measured 2k d = 128 level,
+    d = 256 -3 %; the per-tile trims of session 32 made a piece's fixed costs smaller)."""
+    configs = {"table": as_is, "tail at any gain": lambda: replaced(heuristics, "FA3_TAIL_MIN_GAIN", 0.0)}
+    for d in BF16_HEADDIMS:
+        fwd_interleaved(d, 2048, False, configs, rounds, reps)
+
+
 def fa3_long_tiles_at(d, **changes):
     """bf16 forward calls at head dim d that take FA3_TILES_LONG (long rows) take its row with ``changes``."""
     return tables_edited((heuristics.FA3_TILES_LONG,),
@@ -994,7 +1005,7 @@ def main():
             "fp8-d64-wide": fp8_d64_wide, "fp8-wide-pingpong": fp8_wide_pingpong, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
-            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "fwd-d128-div": fwd_d128_div, "bwd-row-shift": bwd_row_shift}
+            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "fwd-d128-div": fwd_d128_div, "fwd-tail-short": fwd_tail_short, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 
