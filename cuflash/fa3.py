@@ -176,7 +176,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
                                                      for long in (False, True))
     q_bytes, k_bytes = block_m * padded(headdim) * elem, t.block_n * padded(headdim) * elem
     v_bytes = headdim * t.block_n if fp8 else t.block_n * padded(headdim_v) * elem  # FP8: a V^T tile, d x keys
-    smem = q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 + 4 * t.stages) + 2048  # + barriers, + 1 KB slack
+    smem = t.q_stages * q_bytes + t.stages * (k_bytes + v_bytes) + 8 * (2 * t.q_stages + 4 * t.stages) + 2048
+    # (+ barriers, + 1 KB slack)
     if t.p_smem:  # FP8's P tiles (P_SMEM), 1024-aligned; without them a 16-byte placeholder, in the slack
         smem += block_m * t.block_n + 1024
     # O (16-bit) staged in shared memory for a TMA store when it fits (not at d = 256) and rows past a
@@ -199,7 +200,8 @@ def fwd_variant(headdim: int, dtype: str, softcap: bool = False, varlen: bool = 
         + ((("CUFLASH_SPECULATIVE_MAX", 1),) if t.speculative_max else ())
         + ((("CUFLASH_P_SMEM", 1),) if t.p_smem else ())
         + ((("CUFLASH_TURN_FENCE", 1),) if t.turn_fence and not t.pingpong else ())
-        + ((("CUFLASH_FAST_TILE_DIV", 0),) if not (t.fast_tile_div or fp8) else ()),
+        + ((("CUFLASH_FAST_TILE_DIV", 0),) if not (t.fast_tile_div or fp8) else ())
+        + ((("CUFLASH_Q_STAGES", t.q_stages),) if t.q_stages != 1 else ()),
         threads=128 * (1 + t.consumers), smem_bytes=smem,
     )
 

@@ -180,6 +180,9 @@ class Fa3Tiles:
     # `/` and `%` (fwd.cu FAST_TILE_DIV; FP8 variants never take them: their loop had no uniform register
     # to spare)
     fast_tile_div: bool = True
+    # Q buffers (fwd.cu Q_STAGES): with two the producer loads the next tile's Q and first K / V tiles while
+    # this tile runs, not once its last S GEMM has read Q
+    q_stages: int = 1
 
 
 # head dim -> FA3 forward tiles. S is 64 x block_n fp32 per consumer warpgroup (block_n / 2 registers per

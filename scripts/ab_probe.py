@@ -66,6 +66,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
              the tables against the pingpong switched, and at d = 64 two consumer warpgroups
+  fwd-q-stages  FA3 forward bf16 d = 64 and 128, N = 512, 1k (and 2k), causal and not: one Q buffer (the tables)
+             against two (Fa3Tiles.q_stages: the next tile's Q and first K / V load while this tile runs)
   fwd-tail-short  FA3 forward bf16 d = 64, 128, 256, N = 2k, not causal: the table's rule (no stream-K tail at 2k)
              against the tail wherever the model gains (FA3_TAIL_MIN_GAIN 0)
   fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 4k, 8k, 16k, causal and not: the tile order as tabled
@@ -81,7 +83,7 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              of every pair with the serpentine where the pairs are fewer than half the grid)
 
     python scripts/ab_probe.py [fp8-d128] [fp8-d128-keys] [fp8-d128-blocks] [fp8-d128-spec] [fp8-spec-long] [fp8-d64-wide] [fp8-wide-pingpong] [fp8-d64] [bf16-pingpong] [bwd-dq] [bwd-det] [bwd-det-cost] [bwd-det-heads] [bwd-rows] [bwd-dkv]
-        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [fwd-d128-div] [fwd-tail-short] [--rounds 5] [--reps 10]
+        [bwd-split-sdp] [bwd-row-shift] [fwd-spec] [fwd-order] [fwd-d64] [fwd-tail] [fwd-d128-stages] [fwd-d128-overlap] [fwd-row-shift] [fwd-short] [fwd-idle-wg] [fwd-d128-div] [fwd-tail-short] [fwd-q-stages] [--rounds 5] [--reps 10]
     python scripts/ab_probe.py --list-variants    # (cache_pack.py) the variants beyond the tables
 """
 import argparse
@@ -249,6 +251,9 @@ def list_variants() -> list:
     for config in (lambda: fa3_tiles_at(128, fast_tile_div=False), lambda: fa3_long_tiles_at(128, fast_tile_div=True)):
         with config():  # fwd_d128_div's
             out += bf16_forward_variants(128, D128_DIV_CASES)
+    for d, cases in Q_STAGES_CASES.items():  # fwd_q_stages'
+        with bf16_rows_at(d, q_stages=2):
+            out += bf16_forward_variants(d, cases)
     for d in (64, 128):  # fwd_short's
         for config in fwd_short_configs(d).values():
             with config():
@@ -915,6 +920,28 @@ def fwd_idle_wg(rounds, reps):
 D128_DIV_CASES = [(n, causal) for n in (512, 2048, 4096, 8192, 16384) for causal in (False, True)]
 
 
+BF16_FORWARD_TABLES = (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG,
+                       heuristics.FA3_TILES_SHORT_MASKED, heuristics.FA3_TILES_LONG)
+Q_STAGES_CASES = {64: SHORT_CASES + [(2048, True)], 128: SHORT_CASES + [(2048, False), (2048, True)]}
+
+
+def bf16_rows_at(d, **changes):
+    """bf16 forward calls at head dim d take their table's row (any of them) with ``changes``."""
+    def edit(table):
+        if d in table:
+            table[d] = dataclasses.replace(table[d], **changes)
+    return tables_edited(BF16_FORWARD_TABLES, edit)
+
+
+def fwd_q_stages(rounds, reps):
+    """FA3 forward bf16 d = 64 / 128, N = 512, 1k (2k), causal and not: one Q buffer (the tables) against two
+    (Fa3Tiles.q_stages 2: the next tile's Q and first K / V load while this tile runs)."""
+    for d, cases in Q_STAGES_CASES.items():
+        for n, causal in cases:
+            fwd_interleaved(d, n, causal, {"table": as_is, "two Q buffers": lambda: bf16_rows_at(d, q_stages=2)},
+                            rounds, reps)
+
+
 def fwd_tail_short(rounds, reps):
     """FA3 forward bf16 without a mask at N = 2k, d = 64 / 128 / 256: the table's rule (no stream-K tail
     there: FA3_TAIL_MIN_GAIN) against the tail wherever the model gains (session 23 measured 2k d = 128 level,
@@ -1005,7 +1032,7 @@ def main():
             "fp8-d64-wide": fp8_d64_wide, "fp8-wide-pingpong": fp8_wide_pingpong, "fp8-p-smem": fp8_p_smem, "fp8-3wg": fp8_3wg, "fp8-d128-p-smem": fp8_d128_p_smem, "fp8-p-smem-decay": fp8_p_smem_decay, "fp8-spec-long": lambda *a: fp8_spec((64, 128), (2048, 8192), 128, fp8_long_tiles, *a), "bf16-pingpong": bf16_pingpong, "bwd-dq": bwd_dq,
             "bwd-det": bwd_det, "bwd-det-cost": bwd_det_cost, "bwd-det-heads": bwd_det_heads, "bwd-rows": bwd_rows, "bwd-dkv": bwd_dkv, "bwd-split-sdp": bwd_split_sdp,
             "fwd-spec": fwd_spec,
-            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "fwd-d128-div": fwd_d128_div, "fwd-tail-short": fwd_tail_short, "bwd-row-shift": bwd_row_shift}
+            "fwd-spec-d128": lambda *a: fwd_spec(*a, headdims=(128,), cases=[(n, c) for n in (2048, 4096) for c in (False, True)]), "fwd-order": fwd_order, "fwd-sections": fwd_sections, "fwd-wide-sections": fwd_wide_sections, "fwd-d64": fwd_d64, "fwd-tail": fwd_tail, "fwd-d128-stages": fwd_d128_stages, "fwd-d128-overlap": fwd_d128_overlap, "fwd-row-shift": fwd_row_shift, "fwd-short": fwd_short, "fwd-idle-wg": fwd_idle_wg, "fwd-d128-div": fwd_d128_div, "fwd-tail-short": fwd_tail_short, "fwd-q-stages": fwd_q_stages, "bwd-row-shift": bwd_row_shift}
     for name in args.experiments:
         runs[name](args.rounds, args.reps)
 

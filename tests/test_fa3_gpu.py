@@ -62,6 +62,26 @@ def test_d128_where_row_maxima_rise(poison_allocations, monkeypatch, speculative
     _check(q, k, v, causal, softcap=softcap)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 3)])
+@pytest.mark.parametrize("seqlens", [(113, 239), (600, 600), (1023, 1100)])
+def test_forward_with_two_q_buffers(poison_allocations, monkeypatch, d, window, seqlens):
+    """Two Q buffers (heuristics.Fa3Tiles.q_stages 2, fwd.cu Q_STAGES): the producer loads the next tile's Q
+    while this tile runs, so the buffers alternate by tile and each has its own phase. Short and long rows,
+    causal (two consumers at d = 64's short rows, three from 1k) and a window, many tiles per persistent block
+    (8 heads, batch 3), the tail of unmasked calls; every table row at the head dim takes the setting."""
+    import dataclasses
+
+    from cuflash import heuristics
+
+    for table in (heuristics.FA3_TILES, heuristics.FA3_TILES_UNMASKED, heuristics.FA3_TILES_3WG,
+                  heuristics.FA3_TILES_SHORT_MASKED, heuristics.FA3_TILES_LONG):
+        if d in table:
+            monkeypatch.setitem(table, d, dataclasses.replace(table[d], q_stages=2))
+    q, k, v = _inputs(np.random.default_rng(), 3, *seqlens, 8, 4, d, "bfloat16")
+    _check(q, k, v, window=window)
+
+
 @pytest.mark.parametrize("rows", ["short", "long"])
 @pytest.mark.parametrize("seqlens", [(239, 1023), (1023, 239), (1023, 1023)])
 @pytest.mark.parametrize("window", [(-1, 0), (100, 3)])

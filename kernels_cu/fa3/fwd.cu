@@ -44,7 +44,8 @@
 // CUFLASH_TAIL_SPLIT (0/1: the stream-K tail of calls without a mask),
 // CUFLASH_PINGPONG (0/1), CUFLASH_P_SMEM (0/1), CUFLASH_EXP2_EMU (0: every exponential on the SFU; k: one
 // column group in k on the FMA pipe), CUFLASH_MAX_CHAINS (row maxima in this many FMNMX chains; 1 unless a
-// probe asks), CUFLASH_FAST_TILE_DIV (0/1: the tile order by FastDivmods; 1 unless FP8 or the tiles say 0).
+// probe asks), CUFLASH_FAST_TILE_DIV (0/1: the tile order by FastDivmods; 1 unless FP8 or the tiles say 0),
+// CUFLASH_Q_STAGES (1/2: Q buffers; 1 unless the tiles say 2).
 #include "common/hopper.cuh"
 #include "common/mask.cuh"
 #include "common/poly_exp2.cuh"
@@ -132,6 +133,15 @@ constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "two or three consumer warpgroups");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "the register split fits the SM");
+#ifndef CUFLASH_Q_STAGES
+#define CUFLASH_Q_STAGES 1
+#endif
+// Q buffers. With one, the producer loads tile j + 1's Q, and behind it tile j + 1's K / V, only once tile j's
+// last S GEMM has read Q: a tile's first loads start under its predecessor's last P V and epilogue. With two
+// (heuristics.Fa3Tiles.q_stages) they start as soon as tile j's K / V are issued and the ring has room, a
+// whole tile earlier, which counts where tiles are a few K tiles long (short causal rows).
+constexpr int Q_STAGES = CUFLASH_Q_STAGES;
+static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q buffers");
 constexpr int Q_BYTES = BM * DP * ELEM_BYTES, K_BYTES = BN * DP * ELEM_BYTES;
 constexpr int V_BYTES = FP8 ? D * BN : BN * DVP * ELEM_BYTES;  // FP8: a V^T tile, d rows of BN keys
 constexpr int O_BYTES = BM * OD * 2;
@@ -164,14 +174,14 @@ static_assert(THREADS == CUFLASH_THREADS, "launcher and kernel disagree on the b
 static_assert(D % 32 == 0 && BN % 16 == 0 && BN <= 256, "d is whole 32-byte k-steps; BN is a wgmma N");
 
 struct Smem {
-    alignas(1024) unsigned char q[Q_BYTES];            // ATOMS atoms of [BM][128 bytes]
+    alignas(1024) unsigned char q[Q_STAGES][Q_BYTES];  // ATOMS atoms of [BM][128 bytes]
     alignas(1024) unsigned char k[STAGES][K_BYTES];    // ATOMS atoms of [BN][128 bytes]
     alignas(1024) unsigned char v[STAGES][V_BYTES];    // as k; FP8: [D][BN keys]
     // per consumer: O_ATOMS atoms of [64][64]; without the TMA store a 16-byte placeholder
     alignas(STORE_O_TMA ? 1024 : 16) unsigned char o[STORE_O_TMA ? O_BYTES : 16];
     // P_SMEM: per consumer, P_{n-1} as BN / 128 atoms of [64 rows][128 bytes] (K-major, 128-byte swizzle)
     alignas(P_SMEM ? 1024 : 16) unsigned char p[P_SMEM ? CONSUMERS * 64 * BN : 16];
-    u64 q_full, q_empty, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    u64 q_full[Q_STAGES], q_empty[Q_STAGES], k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 // The launcher's dynamic shared memory must hold Smem after aligning the base to 1024 bytes.
 static_assert(sizeof(Smem) + 1023 <= CUFLASH_SMEM_BYTES, "cuflash/fa3.py asks for too little shared memory");
@@ -642,7 +652,8 @@ struct DescaleCursor {
 // a computing warpgroup would (every K / V tile waited for and released, one turn per GEMM issue), so the
 // other warpgroups' GEMMs have the tensor cores to themselves.
 __device__ __forceinline__ void idle_through_tile(Smem& sm, int c, int lane, int k_tiles, int& i, int& q_iter) {
-    mbar_wait(&sm.q_full, q_iter++ & 1);
+    const int qs = q_iter % Q_STAGES;
+    mbar_wait(&sm.q_full[qs], (q_iter++ / Q_STAGES) & 1);
     for (int n = 0; n < k_tiles; ++n, ++i) {
         const int s = i % STAGES;
         const u32 parity = (i / STAGES) & 1;
@@ -653,7 +664,7 @@ __device__ __forceinline__ void idle_through_tile(Smem& sm, int c, int lane, int
         if (lane == 0) {
             mbar_arrive(&sm.k_empty[s]);
             mbar_arrive(&sm.v_empty[s]);
-            if (n + 1 == k_tiles) mbar_arrive(&sm.q_empty);
+            if (n + 1 == k_tiles) mbar_arrive(&sm.q_empty[qs]);
         }
     }
     wait_my_turn(c);  // the last P V's turn
@@ -684,9 +695,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                       : TailSplit{0, 0, 1, 0};
 
     if (threadIdx.x == 0) {
-        mbar_init(&sm.q_full, 1);
-        // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
-        mbar_init(&sm.q_empty, CONSUMER_WARPS);
+        for (int qs = 0; qs < Q_STAGES; ++qs) {
+            mbar_init(&sm.q_full[qs], 1);
+            // One arrival per consumer warp: wgmma.wait_group speaks for the executing warp's part only.
+            mbar_init(&sm.q_empty[qs], CONSUMER_WARPS);
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.k_full[s], 1);
             mbar_init(&sm.v_full[s], 1);
@@ -698,7 +711,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
 
     // Both roles walk the same tiles and count the same K/V tiles (`i`, across tiles: the ring's slots
-    // and phases carry on) and the same non-empty tiles (`q_iter`: the Q buffer's phase).
+    // and phases carry on) and the same non-empty tiles (`q_iter`: the Q buffers' turn and phase).
     if (warpgroup == 0) {  // ---------------------------------------------------------------- producer
         regs_decrease<PRODUCER_REGS>();  // so that the consumers' increase can be granted
         if (threadIdx.x != 0) return;
@@ -717,15 +730,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sched.clip(n_lo, n_hi);  // a tail piece: its K tiles only
             if (n_lo == n_hi) continue;
             const int kv_head = PACK_GQA ? tile.head : tile.head / group, tma_batch = VARLEN ? 0 : tile.batch;
-            mbar_wait(&sm.q_empty, (q_iter++ & 1) ^ 1);  // the last tile's S GEMMs are done with Q
-            mbar_arrive_expect_tx(&sm.q_full, Q_BYTES);
+            const int qs = q_iter % Q_STAGES;
+            mbar_wait(&sm.q_empty[qs], ((q_iter++ / Q_STAGES) & 1) ^ 1);  // the S GEMMs of its last tile are done
+            unsigned char* q_buf = sm.q[qs];
+            u64* q_full = &sm.q_full[qs];
+            mbar_arrive_expect_tx(q_full, Q_BYTES);
             if constexpr (PACK_GQA) {
 #pragma unroll
                 for (int a = 0; a < ATOMS; ++a)  // box (64, group, BM / group): rows (query, head) head-fastest
-                    tma_load_4d(sm.q + a * BM * 128, &map_q, &sm.q_full, a * 64, kv_head * group, q_first, tile.batch);
+                    tma_load_4d(q_buf + a * BM * 128, &map_q, q_full, a * 64, kv_head * group, q_first, tile.batch);
             } else {
                 // (rows before 0 come zero-filled, as rows past the end do)
-                tma_load_atoms<ATOMS, ATOM_COLS>(sm.q, BM, &map_q, &sm.q_full, seq.q_start + row0, tile.head, tma_batch);
+                tma_load_atoms<ATOMS, ATOM_COLS>(q_buf, BM, &map_q, q_full, seq.q_start + row0, tile.head, tma_batch);
             }
             for (int n = n_lo; n < n_hi; ++n, ++i) {
                 const int s = i % STAGES;
@@ -752,7 +768,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     regs_increase<CONSUMER_REGS>();
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
-    const unsigned char* q_rows = sm.q + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
     unsigned char* p_tile = sm.p + c * 64 * BN;          // (P_SMEM)
 
     float o[OD / 2];
@@ -800,7 +815,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (int r = 0; r < 2; ++r) row_scale[r] = FP8 ? q_descale(p, tile.batch, qhead[r], qrow[r]) : 1.f;
         DescaleCursor descale(p, tile.batch, kv_head, FP8 ? n_lo : 0);  // (unused, and folded away, unless FP8)
         auto k_scale = [&] { return FP8 ? descale.k(p) : 1.f; };
-        mbar_wait(&sm.q_full, q_iter++ & 1);
+        const int qs = q_iter % Q_STAGES;
+        const unsigned char* q_rows = sm.q[qs] + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
+        mbar_wait(&sm.q_full[qs], (q_iter++ / Q_STAGES) & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet. rescale: O is to be multiplied by
         // softmax.alpha before the next P V is added (a row max moved in the warp, or FP8's V descale).
@@ -823,7 +840,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_fence_regs(sc);
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
-                if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty);  // no more S GEMMs read this Q
+                if (n_lo + 1 == n_hi) mbar_arrive(&sm.q_empty[qs]);  // no more S GEMMs read this Q
             }
             softmax.step(sc, mask, mask.rows_all_visible<BN>(wg_first, wg_last, n_lo), qrow, n_lo, q4, p, row_scale,
                          tile_scale);
@@ -890,7 +907,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // does, which serialises the loop (tests/test_compile.py checks the SASS).
             if (lane == 0) {
                 mbar_arrive(&sm.k_empty[s]);
-                if (n + 1 == n_hi) mbar_arrive(&sm.q_empty);
+                if (n + 1 == n_hi) mbar_arrive(&sm.q_empty[qs]);
             }
             if (FP8 && v_ratio != 1.f) {
                 softmax.alpha[0] *= v_ratio;
