@@ -231,8 +231,13 @@ FA3_TILES_UNMASKED = {
 # (scripts/fa3_tiles_probe.py, session 8; two warpgroups' best -> three): non-causal N = 2k 414 -> 461
 # TF/s, 8k 477 -> 514 (cuDNN 466, 487); causal 8k 426 -> 443, but 2k 348 -> 338 (192-row tiles cross the
 # diagonal more: short causal rows may want two).
+# Both d = 64 rows (this and FA3_TILES_SHORT_MASKED below) hold two Q buffers (q_stages=2): the producer loads
+# the next tile's Q and first K / V while this tile runs. H200 (scripts/ab_probe.py fwd-q-stages, session 33,
+# 5 rounds, TF/s, one -> two): N = 512 389 -> 411, causal 241 -> 248; 1k 437 -> 447, causal 311 -> 321; causal
+# 2k 400 -> 413; 4k-16k level to +1 % (486 / 482 at 4k, 507 / 503 at 8k, 512 / 510 at 16k). d = 128 level
+# (498 / 498 at 512, 625 / 628 at 2k): its tiles are long enough to hide the next Q behind one buffer.
 FA3_TILES_3WG = {
-    64: Fa3Tiles(block_n=128, stages=2, consumers=3),
+    64: Fa3Tiles(block_n=128, stages=2, consumers=3, q_stages=2),
 }
 # ... except where a mask bounds rows shorter than this: causal d = 64 on the H200 (short causal rows:
 # fewer, taller tiles, more of each on the diagonal, and fewer tiles than SMs at 1k). Session 8 (bench
@@ -242,11 +247,12 @@ FA3_TILES_3WG = {
 # the spare rows before row 0 (tile_order.row_shift) three win from 1k (ab_probe fwd-row-shift, session 18:
 # 1k two 278, three 288, three without the shift 247).
 FA3_3WG_MIN_MASKED_SEQLEN = 1024
-# ... and those short masked rows at d = 64 take three K / V stages (Q + 3 x (K + V) + the O staging, 128 KB):
+# ... and those short masked rows at d = 64 take three K / V stages (2 Q + 3 x (K + V) + the O staging, 146 KB):
 # tiles of 1-4 K tiles each, so the next tile's first K / V load ahead through more of the last one. H200
-# (session 32's A/B, bench/NOTES.md; 3 rounds, TF/s, two stages -> three): causal N = 512 237 -> 240.
+# (session 32's A/B, bench/NOTES.md; 3 rounds, TF/s, two stages -> three): causal N = 512 237 -> 240; and two Q
+# buffers (above).
 FA3_TILES_SHORT_MASKED = {
-    64: Fa3Tiles(block_n=128, stages=3),
+    64: Fa3Tiles(block_n=128, stages=3, q_stages=2),
 }
 # ... and bf16 / fp16 calls of at least FA3_LONG_MIN_SEQLEN query rows (causal or not) at d = 128 divide
 # the persistent tile order by `/` and `%` instead of the host's FastDivmods (Fa3Tiles.fast_tile_div): the
