@@ -66,8 +66,8 @@ Experiments (FlashAttention benchmark shapes: 16k tokens, hidden 2048):
              end; d = 64 1k: two warpgroups (tabled) against three, shifted and not
   fwd-short  FA3 forward bf16 d = 64 and 128, N = 512 and 1k, causal and not (issue 4's cells below 0.9 of cuDNN):
              the tables against the pingpong switched, and at d = 64 two consumer warpgroups
-  fwd-q-stages  FA3 forward bf16 d = 64 and 128, N = 512, 1k (and 2k), causal and not: one Q buffer (the tables)
-             against two (Fa3Tiles.q_stages: the next tile's Q and first K / V load while this tile runs)
+  fwd-q-stages  FA3 forward bf16 d = 64 and 128, N = 512, 1k (and 2k), causal and not: the tables against one Q
+             buffer and two (Fa3Tiles.q_stages: the next tile's Q and first K / V load while this tile runs)
   fwd-tail-short  FA3 forward bf16 d = 64, 128, 256, N = 2k, not causal: the table's rule (no stream-K tail at 2k)
              against the tail wherever the model gains (FA3_TAIL_MIN_GAIN 0)
   fwd-d128-div  FA3 forward bf16 d = 128, N = 512, 2k, 4k, 8k, 16k, causal and not: the tile order as tabled
@@ -252,8 +252,9 @@ def list_variants() -> list:
         with config():  # fwd_d128_div's
             out += bf16_forward_variants(128, D128_DIV_CASES)
     for d, cases in Q_STAGES_CASES.items():  # fwd_q_stages'
-        with bf16_rows_at(d, q_stages=2):
-            out += bf16_forward_variants(d, cases)
+        for q_stages in (1, 2):
+            with bf16_rows_at(d, q_stages=q_stages):
+                out += bf16_forward_variants(d, cases)
     for d in (64, 128):  # fwd_short's
         for config in fwd_short_configs(d).values():
             with config():
@@ -934,12 +935,14 @@ def bf16_rows_at(d, **changes):
 
 
 def fwd_q_stages(rounds, reps):
-    """FA3 forward bf16 d = 64 / 128, N = 512, 1k (2k), causal and not: one Q buffer (the tables) against two
-    (Fa3Tiles.q_stages 2: the next tile's Q and first K / V load while this tile runs)."""
+    """FA3 forward bf16 d = 64 / 128, N = 512, 1k (2k), causal and not: the tables (two Q buffers at d = 64 since
+    session 33, one at d = 128) against one and two (Fa3Tiles.q_stages 2: the next tile's Q and first K / V
+    load while this tile runs)."""
     for d, cases in Q_STAGES_CASES.items():
+        configs = {"table": as_is, "one Q buffer": lambda: bf16_rows_at(d, q_stages=1),
+                   "two Q buffers": lambda: bf16_rows_at(d, q_stages=2)}
         for n, causal in cases:
-            fwd_interleaved(d, n, causal, {"table": as_is, "two Q buffers": lambda: bf16_rows_at(d, q_stages=2)},
-                            rounds, reps)
+            fwd_interleaved(d, n, causal, configs, rounds, reps)
 
 
 def fwd_tail_short(rounds, reps):
