@@ -769,6 +769,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int c = warpgroup - 1;                      // which 64 rows of the block
     const int t = threadIdx.x % 128, w = t / 32, lane = t % 32, g = lane / 4, q4 = lane % 4;
     unsigned char* p_tile = sm.p + c * 64 * BN;          // (P_SMEM)
+    // this warpgroup's 64 rows of every Q atom in Q buffer 0 (set here, outside the tile loop, with one buffer:
+    // inside it, FP8 d = 64's 256-key tiles had ptxas serialise their wgmma under NVRTC 13.5)
+    const unsigned char* q_rows0 = sm.q[0] + c * 64 * 128;
 
     float o[OD / 2];
     float sc[BN / 2];        // S_n, then P_n in fp32 (accumulator layout)
@@ -816,7 +819,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         DescaleCursor descale(p, tile.batch, kv_head, FP8 ? n_lo : 0);  // (unused, and folded away, unless FP8)
         auto k_scale = [&] { return FP8 ? descale.k(p) : 1.f; };
         const int qs = q_iter % Q_STAGES;
-        const unsigned char* q_rows = sm.q[qs] + c * 64 * 128;  // this warpgroup's 64 rows of every Q atom
+        const unsigned char* q_rows = Q_STAGES == 1 ? q_rows0 : sm.q[qs] + c * 64 * 128;  // (as q_rows0)
         mbar_wait(&sm.q_full[qs], (q_iter++ / Q_STAGES) & 1);
 
         // Prologue: S_0 and its softmax; nothing to overlap with yet. rescale: O is to be multiplied by
