@@ -248,7 +248,8 @@ def list_variants() -> list:
             out += bf16_forward_variants(128, D128_CASES)
     with defines_added("fwd_variant", *IDLE_WG_OFF):  # fwd_idle_wg's
         out += bf16_forward_variants(64, IDLE_CASES)
-    for config in (lambda: fa3_tiles_at(128, fast_tile_div=False), lambda: fa3_long_tiles_at(128, fast_tile_div=True)):
+    for config in (lambda: fa3_tiles_at(128, fast_tile_div=False),
+                   lambda: table_row_at(heuristics.FA3_TILES_LONG, 128, fast_tile_div=True)):
         with config():  # fwd_d128_div's
             out += bf16_forward_variants(128, D128_DIV_CASES)
     for d, cases in Q_STAGES_CASES.items():  # fwd_q_stages'
@@ -775,10 +776,14 @@ def fwd_interleaved(d, n, causal, configs, rounds, reps):
                 4 * b * h * n * n * d / (2 if causal else 1), rounds, reps)
 
 
+def table_row_at(table, d, **changes):
+    """Calls that take ``table``'s row at head dim d take it with ``changes``."""
+    return tables_edited((table,), lambda t: t.update({d: dataclasses.replace(t[d], **changes)}))
+
+
 def fa3_tiles_at(d, **changes):
     """bf16 forward calls at head dim d that take FA3_TILES take its row with ``changes``."""
-    return tables_edited((heuristics.FA3_TILES,),
-                         lambda table: table.update({d: dataclasses.replace(table[d], **changes)}))
+    return table_row_at(heuristics.FA3_TILES, d, **changes)
 
 
 def d64_tiles(**changes):
@@ -788,8 +793,7 @@ def d64_tiles(**changes):
 
 def d64_3wg(**changes):
     """d = 64 calls of three consumer warpgroups take FA3_TILES_3WG[64] with ``changes``."""
-    return tables_edited((heuristics.FA3_TILES_3WG,),
-                         lambda table: table.update({64: dataclasses.replace(table[64], **changes)}))
+    return table_row_at(heuristics.FA3_TILES_3WG, 64, **changes)
 
 
 D64 = {  # name -> a new context manager per use. Session 17: three warpgroups took causal rows from 2k
@@ -954,16 +958,10 @@ def fwd_tail_short(rounds, reps):
         fwd_interleaved(d, 2048, False, configs, rounds, reps)
 
 
-def fa3_long_tiles_at(d, **changes):
-    """bf16 forward calls at head dim d that take FA3_TILES_LONG (long rows) take its row with ``changes``."""
-    return tables_edited((heuristics.FA3_TILES_LONG,),
-                         lambda table: table.update({d: dataclasses.replace(table[d], **changes)}))
-
-
 def fwd_d128_div(rounds, reps):
     """FA3 forward bf16 d = 128: the tile order as tabled (FastDivmods below FA3_LONG_MIN_SEQLEN rows, `/`
     and `%` from there: Fa3Tiles.fast_tile_div) against FastDivmods and plain division at every length."""
-    configs = {"table": as_is, "FastDivmods": lambda: fa3_long_tiles_at(128, fast_tile_div=True),
+    configs = {"table": as_is, "FastDivmods": lambda: table_row_at(heuristics.FA3_TILES_LONG, 128, fast_tile_div=True),
                "plain division": lambda: fa3_tiles_at(128, fast_tile_div=False)}
     for n, causal in D128_DIV_CASES:
         fwd_interleaved(128, n, causal, configs, rounds, reps)
